@@ -1,0 +1,245 @@
+"""Model adapters: the little each architecture needs beyond transformers' own model classes.
+
+An adapter turns sampled frames and a question into the prefill inputs of its architecture,
+without torchvision (PIL + numpy reproduce the resize, normalisation and patch layout of the
+transformers processors), and says where the visual span is and which (frame, row, column) each
+visual position shows, for the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import InputError, ModelError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass
+class VideoInputs:
+    """Prefill inputs of one (video, question) pair, batch size 1.
+
+    model_kwargs: everything the prefill forward takes (input_ids [1, m], pixel values, grids...).
+    visual_positions: LongTensor [m_v], sorted prompt positions of the visual tokens.
+    token_grid: LongTensor [m_v, 3], (sampled-frame index, row, column) of each visual token.
+    grid: (t, rows, cols) of the visual token grid; frames: the sampled frames [T, H, W, 3] uint8.
+    """
+
+    model_kwargs: dict
+    visual_positions: torch.Tensor
+    token_grid: torch.Tensor
+    grid: tuple[int, int, int]
+    frames: np.ndarray
+    timestamps: list[float] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.model_kwargs["input_ids"]
+
+    @property
+    def m(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def m_v(self) -> int:
+        return int(self.visual_positions.numel())
+
+    @property
+    def query_start(self) -> int:
+        """First prompt position after the last visual token: the query tokens start here."""
+        return int(self.visual_positions[-1]) + 1 if self.m_v else 0
+
+    def to(self, device) -> "VideoInputs":
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.model_kwargs.items()}
+        return VideoInputs(kw, self.visual_positions, self.token_grid, self.grid, self.frames, self.timestamps)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: both sides multiples of `factor`, area within [min_pixels, max_pixels]."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def resize_normalize(frames: np.ndarray, height: int, width: int, mean, std) -> np.ndarray:
+    """[T, H, W, 3] uint8 -> [T, 3, height, width] float32, bicubic resize, rescale 1/255, normalise."""
+    out = np.empty((len(frames), 3, height, width), dtype=np.float32)
+    mean = np.asarray(mean, np.float32)[:, None, None]
+    std = np.asarray(std, np.float32)[:, None, None]
+    for i, frame in enumerate(frames):
+        img = Image.fromarray(frame)
+        if img.size != (width, height):
+            img = img.resize((width, height), Image.BICUBIC)
+        out[i] = (np.asarray(img, np.float32).transpose(2, 0, 1) / 255.0 - mean) / std
+    return out
+
+
+def qwen2vl_preprocess(frames: np.ndarray, patch_size=14, temporal_patch_size=2, merge_size=2,
+                       min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28,
+                       image_mean=CLIP_MEAN, image_std=CLIP_STD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frames [T, H, W, 3] uint8 -> (pixel_values_videos [t*h*w, 3*tp*p*p], video_grid_thw [1, 3]).
+
+    Same resize rule and patch order as transformers' Qwen2-VL video processor: frames padded to a
+    multiple of `temporal_patch_size` by repeating the last one, patches ordered so that each run of
+    merge_size**2 patches forms one merged visual token.
+    """
+    T, H, W, _ = frames.shape
+    h, w = smart_resize(H, W, patch_size * merge_size, min_pixels, max_pixels)
+    x = resize_normalize(frames, h, w, image_mean, image_std)
+    if pad := -T % temporal_patch_size:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    gt, gh, gw = x.shape[0] // temporal_patch_size, h // patch_size, w // patch_size
+    p, m, tp = patch_size, merge_size, temporal_patch_size
+    x = x.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    x = x.reshape(gt * gh * gw, 3 * tp * p * p)
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.tensor([[gt, gh, gw]])
+
+
+def read_json(name_or_dir: str, filename: str) -> dict | None:
+    """A JSON file of a model folder or (cached) hub repo, or None if it has none."""
+    if os.path.isdir(name_or_dir):
+        path = os.path.join(name_or_dir, filename)
+        if not os.path.exists(path):
+            return None
+    else:
+        from transformers.utils import cached_file
+
+        path = cached_file(name_or_dir, filename, _raise_exceptions_for_missing_entries=False)
+        if path is None:
+            return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class Adapter:
+    """Base: prompt building and the visual span. Subclasses define `build_inputs`."""
+
+    arch = ""
+
+    def __init__(self, name_or_dir: str, config, tokenizer):
+        self.name, self.config, self.tokenizer = name_or_dir, config, tokenizer
+
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set()
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            i = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(i, int) and i != self.tokenizer.unk_token_id:
+                ids.add(i)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = getattr(self.config, "eos_token_id", None)
+        ids.update([gen] if isinstance(gen, int) else (gen or []))
+        return sorted(ids)
+
+
+def check_question(question: str, max_chars: int = 1000) -> str:
+    question = (question or "").strip()
+    if not question:
+        raise InputError("The question is empty: type a question about the video.")
+    if len(question) > max_chars:
+        raise InputError(f"The question is {len(question)} characters long; the limit is {max_chars}.")
+    return question
+
+
+class Qwen2VLAdapter(Adapter):
+    """Qwen2-VL and Qwen2.5-VL: one `<|video_pad|>` per merged visual token, 3-D M-RoPE."""
+
+    arch = "qwen2_vl"
+    system = "You are a helpful assistant."
+    # Video defaults of transformers' Qwen2-VL video processor (per-frame pixel range).
+    video_min_pixels, video_max_pixels = 128 * 28 * 28, 768 * 28 * 28
+
+    def __init__(self, name_or_dir, config, tokenizer):
+        super().__init__(name_or_dir, config, tokenizer)
+        cfg = read_json(name_or_dir, "video_preprocessor_config.json") or read_json(
+            name_or_dir, "preprocessor_config.json") or {}
+        size = cfg.get("size") or {}
+        vis = config.vision_config
+        self.pre = dict(
+            patch_size=cfg.get("patch_size", vis.patch_size),
+            temporal_patch_size=cfg.get("temporal_patch_size", vis.temporal_patch_size),
+            merge_size=cfg.get("merge_size", vis.spatial_merge_size),
+            min_pixels=cfg.get("min_pixels", size.get("shortest_edge", self.video_min_pixels)),
+            max_pixels=min(cfg.get("max_pixels", size.get("longest_edge", self.video_max_pixels)),
+                           self.video_max_pixels),
+            image_mean=cfg.get("image_mean", CLIP_MEAN),
+            image_std=cfg.get("image_std", CLIP_STD),
+        )
+        self.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+
+    def prompt_parts(self, question: str) -> tuple[str, str]:
+        """Chat text before and after the video tokens."""
+        before = (f"<|im_start|>system\n{self.system}<|im_end|>\n"
+                  "<|im_start|>user\n<|vision_start|>")
+        after = f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+        return before, after
+
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+        question = check_question(question)
+        pixel_values, grid_thw = qwen2vl_preprocess(frames, **self.pre)
+        t, h, w = (int(v) for v in grid_thw[0])
+        m = self.pre["merge_size"]
+        rows, cols = h // m, w // m
+        n_vis = t * rows * cols
+        before, after = self.prompt_parts(question)
+        pre_ids, post_ids = self.encode(before), self.encode(after)
+        ids = pre_ids + [self.video_token_id] * n_vis + post_ids
+        input_ids = torch.tensor([ids])
+        mm_types = torch.zeros_like(input_ids, dtype=torch.int32)
+        start = len(pre_ids)
+        mm_types[0, start:start + n_vis] = 2
+        kwargs = dict(input_ids=input_ids, pixel_values_videos=pixel_values, video_grid_thw=grid_thw,
+                      mm_token_type_ids=mm_types)
+        if self.config.model_type == "qwen2_5_vl":
+            fps = _sampled_fps(timestamps, len(frames))
+            kwargs["second_per_grid_ts"] = torch.tensor([self.pre["temporal_patch_size"] / fps])
+        idx = torch.arange(n_vis)
+        tp = self.pre["temporal_patch_size"]
+        frame = torch.clamp((idx // (rows * cols)) * tp, max=len(frames) - 1)
+        grid = torch.stack([frame, (idx % (rows * cols)) // cols, idx % cols], dim=1)
+        return VideoInputs(kwargs, torch.arange(start, start + n_vis), grid, (t, rows, cols), frames,
+                           list(timestamps or []))
+
+
+def _sampled_fps(timestamps, n: int) -> float:
+    if timestamps is not None and len(timestamps) > 1 and timestamps[-1] > timestamps[0]:
+        return (len(timestamps) - 1) / (timestamps[-1] - timestamps[0])
+    return 1.0
+
+
+ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": Qwen2VLAdapter}
+
+
+def adapter_for(name_or_dir: str, config, tokenizer) -> Adapter:
+    cls = ADAPTERS.get(config.model_type)
+    if cls is None:
+        raise ModelError(f"Model type '{config.model_type}' is not supported; supported: "
+                         f"{', '.join(sorted(ADAPTERS))}.")
+    return cls(name_or_dir, config, tokenizer)

@@ -1,0 +1,282 @@
+"""KV caches: a preallocated dense cache and, per layer, a compact sparse cache.
+
+`KVCache` is a transformers `Cache`, so the model's own attention modules write into it. Batch size
+is 1 throughout (one video, one question). Two logical lengths are tracked:
+
+- the **dense** cache: per layer `[1, Hkv, capacity, D]`, written in place (no `torch.cat` per step);
+- the **sparse** cache (`SparseKV`, one per layer): the kept prompt entries, gathered once at
+  prefill, plus room for generated tokens. Its memory is proportional to the entries kept.
+
+`mode` says which one the current forward reads and writes. Lengths only move when the engine
+calls `advance` / `truncate`, so rollback after a rejected draft is a change of one integer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class LayerSelection:
+    """What one layer's sparse cache keeps.
+
+    keep: one sorted LongTensor per KV head `g` ([n_g] prompt positions), text positions included
+        where the method keeps them. Generated tokens are always kept.
+    query_mask: optional bool [H, m]: prompt positions query head `h` may attend (HT-Sparse sparse
+        heads inside a group that also serves a full head).
+    head_scale: optional float [H]: output multiplier per query head (0 = dropped head).
+    route_prefill: also apply this selection to the query rows of prefill (HT-Sparse).
+    roles: optional int8 [H] for the trace (0 full, 1 sparse, 2 dropped).
+    """
+
+    keep: list[torch.Tensor]
+    query_mask: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
+    route_prefill: bool = False
+    roles: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(k.numel()) for k in self.keep]
+
+
+def keep_all(m: int, num_kv_heads: int) -> LayerSelection:
+    return LayerSelection([torch.arange(m)] * num_kv_heads)
+
+
+def _causal_mask(rows: int, n: int, device) -> torch.Tensor:
+    """bool [rows, n]: row t (the t-th of the last `rows` positions) sees keys j <= n - rows + t."""
+    return torch.arange(n, device=device)[None, :] <= torch.arange(n - rows, n, device=device)[:, None]
+
+
+def grouped_sdpa(query, key, value, scale, bias=None):
+    """Attention of a few query rows over a GQA cache without repeating K/V.
+
+    query [1, H, q, D]; key, value [1, Hkv, n, D]; bias optional additive [Hkv, G, q, n].
+    The G query heads of a group are folded into the row dimension, so one SDPA call serves all.
+    Returns [1, q, H, D].
+    """
+    _, H, q, D = query.shape
+    Hkv, n = key.shape[1], key.shape[2]
+    G = H // Hkv
+    qg = query.reshape(1, Hkv, G * q, D)
+    mask = None
+    if q > 1:
+        causal = _causal_mask(q, n, query.device)
+        mask = torch.zeros(q, n, dtype=query.dtype, device=query.device).masked_fill_(~causal, float("-inf"))
+        mask = mask.expand(Hkv, G, q, n)
+    if bias is not None:
+        mask = bias if mask is None else mask + bias
+    if mask is not None:
+        mask = mask.reshape(1, Hkv, G * q, n)
+    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scale)
+    return out.view(1, H, q, D).transpose(1, 2)
+
+
+class SparseKV:
+    """One layer's compact cache: kept prompt entries + generated tokens.
+
+    Uniform layout (every KV head keeps the same number K of prompt entries): one buffer
+    `k, v [1, Hkv, K + gen_capacity, D]`, prompt entries first; attention is one SDPA call.
+    Ragged layout (lengths differ per head): prompt entries flat `pk, pv [N, D]` with `head_of [N]`,
+    generated tokens in `gk, gv [1, Hkv, gen_capacity, D]`; attention is a segment softmax over
+    both parts, vectorised over heads. Memory is N (or Hkv*K) + Hkv*gen_capacity entries.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
+                 num_heads: int):
+        _, Hkv, m, D = keys.shape
+        G = num_heads // Hkv
+        dev = keys.device
+        lens = sel.lengths
+        self.selection = sel
+        self.uniform = len(set(lens)) == 1
+        self.head_scale = None if sel.head_scale is None else sel.head_scale.to(dev, keys.dtype)
+        qmask = None if sel.query_mask is None else sel.query_mask.to(dev).view(Hkv, G, m)
+        if self.uniform:
+            idx = torch.stack(list(sel.keep)).to(dev)  # [Hkv, K]
+            K = idx.shape[1]
+            self.n_prompt = K
+            self.k = keys.new_empty(1, Hkv, K + gen_capacity, D)
+            self.v = values.new_empty(1, Hkv, K + gen_capacity, D)
+            gather = idx[..., None].expand(-1, -1, D)
+            self.k[0, :, :K] = keys[0].gather(1, gather)
+            self.v[0, :, :K] = values[0].gather(1, gather)
+            self.bias = None
+            if qmask is not None:  # [Hkv, G, K]
+                allowed = qmask.gather(2, idx[:, None, :].expand(-1, G, -1))
+                self.bias = torch.zeros(allowed.shape, dtype=keys.dtype, device=dev).masked_fill_(
+                    ~allowed, float("-inf"))
+        else:
+            flat = torch.cat(list(sel.keep)).to(dev)
+            self.head_of = torch.repeat_interleave(torch.arange(Hkv, device=dev),
+                                                   torch.tensor(lens, device=dev))
+            self.pk = keys[0, self.head_of, flat].contiguous()  # [N, D]
+            self.pv = values[0, self.head_of, flat].contiguous()
+            self.gk = keys.new_empty(1, Hkv, gen_capacity, D)
+            self.gv = values.new_empty(1, Hkv, gen_capacity, D)
+            self.bias = None
+            if qmask is not None:  # [N, G]
+                allowed = qmask[self.head_of, :, flat]
+                self.bias = torch.zeros(allowed.shape, dtype=keys.dtype, device=dev).masked_fill_(
+                    ~allowed, float("-inf"))
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
+        """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
+        q = key.shape[2]
+        if self.uniform:
+            s = self.n_prompt + gen_pos
+            self.k[:, :, s:s + q] = key
+            self.v[:, :, s:s + q] = value
+        else:
+            self.gk[:, :, gen_pos:gen_pos + q] = key
+            self.gv[:, :, gen_pos:gen_pos + q] = value
+
+    def attend(self, query: torch.Tensor, scale: float, n_gen: int) -> torch.Tensor:
+        """query [1, H, q, D] (the newest q tokens; n_gen generated tokens stored, them included)
+        -> [1, q, H, D]."""
+        out = self._attend_uniform(query, scale, n_gen) if self.uniform else self._attend_ragged(query, scale, n_gen)
+        if self.head_scale is not None:
+            out = out * self.head_scale.view(1, 1, -1, 1)
+        return out
+
+    def _attend_uniform(self, query, scale, n_gen):
+        n = self.n_prompt + n_gen
+        bias = None
+        if self.bias is not None:
+            q = query.shape[2]
+            Hkv, G, K = self.bias.shape
+            bias = torch.zeros(Hkv, G, q, n, dtype=query.dtype, device=query.device)
+            bias[..., :K] = self.bias[:, :, None, :]
+        return grouped_sdpa(query, self.k[:, :, :n], self.v[:, :, :n], scale, bias)
+
+    def _attend_ragged(self, query, scale, n_gen):
+        _, H, q, D = query.shape
+        Hkv = self.gk.shape[1]
+        G = H // Hkv
+        qg = query[0].view(Hkv, G, q, D).float()
+        s_p = torch.einsum("ngqd,nd->ngq", qg[self.head_of], self.pk.float()) * scale  # [N, G, q]
+        if self.bias is not None:
+            s_p = s_p + self.bias[:, :, None]
+        gk, gv = self.gk[0, :, :n_gen].float(), self.gv[0, :, :n_gen].float()
+        s_g = torch.einsum("hgqd,hkd->hgqk", qg, gk) * scale  # [Hkv, G, q, n_gen]
+        if q > 1:
+            s_g = s_g.masked_fill(~_causal_mask(q, n_gen, query.device), float("-inf"))
+        mx = s_g.amax(-1).clone()
+        mx.index_reduce_(0, self.head_of, s_p, "amax")
+        e_p = torch.exp(s_p - mx[self.head_of])
+        e_g = torch.exp(s_g - mx[..., None])
+        den = e_g.sum(-1).index_add_(0, self.head_of, e_p)
+        num = torch.einsum("hgqk,hkd->hgqd", e_g, gv)
+        num.index_add_(0, self.head_of, e_p[..., None] * self.pv.float()[:, None, None, :])
+        out = (num / den[..., None]).to(query.dtype)  # [Hkv, G, q, D]
+        return out.reshape(1, H, q, D).transpose(1, 2)
+
+    def copy_generated(self, keys: torch.Tensor, values: torch.Tensor, gen_pos: int) -> None:
+        """Replace generated entries from gen_pos with dense KV [1, Hkv, n, D] (draft refresh)."""
+        self.write(keys, values, gen_pos)
+
+    def nbytes(self, n_gen: int) -> int:
+        if self.uniform:
+            per = self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
+            return per * (self.n_prompt + n_gen)
+        per_gen = self.gk.shape[1] * self.gk.shape[3] * self.gk.element_size() * 2
+        return self.pk.numel() * self.pk.element_size() * 2 + per_gen * n_gen
+
+
+class LayerKV(CacheLayerMixin):
+    """One layer of `KVCache`: writes go to the dense buffer or to the sparse cache by mode."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "KVCache", idx: int):
+        super().__init__()
+        self.owner, self.idx = owner, idx
+        self.sparse: SparseKV | None = None
+
+    def lazy_initialization(self, key_states, value_states):
+        _, Hkv, _, D = key_states.shape
+        shape = (1, Hkv, self.owner.capacity, D)
+        self.keys = key_states.new_empty(shape)
+        self.values = value_states.new_empty(shape)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        o = self.owner
+        q = key_states.shape[2]
+        if o.mode == "sparse":
+            self.sparse.write(key_states, value_states, o.sparse_len - o.prompt_len)
+            return key_states, value_states
+        if not o.store_dense:  # direct sparse method at prefill: the full KV is never held
+            return key_states, value_states
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        s = o.dense_len
+        if s + q > o.capacity:
+            raise RuntimeError(f"KV cache capacity {o.capacity} exceeded")
+        self.keys[:, :, s:s + q] = key_states
+        self.values[:, :, s:s + q] = value_states
+        return self.keys[:, :, :s + q], self.values[:, :, :s + q]
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class KVCache(Cache):
+    """Dense preallocated cache + optional per-layer sparse caches, batch size 1.
+
+    capacity: prompt length + the most tokens that will ever be written (max_new_tokens + γ + 1).
+    store_dense: False for sparse methods used directly: only the compact caches are held.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, store_dense: bool = True):
+        self.capacity, self.store_dense = capacity, store_dense
+        self.mode = "dense"
+        self.dense_len = self.sparse_len = self.prompt_len = 0
+        super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.dense_len if self.mode == "dense" else self.sparse_len
+
+    def advance(self, n: int) -> None:
+        if self.mode == "dense":
+            self.dense_len += n
+        else:
+            self.sparse_len += n
+
+    def finish_prefill(self, m: int) -> None:
+        self.prompt_len = self.dense_len = self.sparse_len = m
+        if not self.store_dense:
+            self.mode = "sparse"
+
+    def set_sparse(self, layer: int, sparse: SparseKV) -> None:
+        self.layers[layer].sparse = sparse
+
+    @property
+    def has_sparse(self) -> bool:
+        return all(layer.sparse is not None for layer in self.layers)
+
+    def refresh_sparse(self, start: int, end: int) -> None:
+        """Overwrite the sparse caches' entries for positions [start, end) with the dense KV."""
+        for layer in self.layers:
+            layer.sparse.copy_generated(layer.keys[:, :, start:end], layer.values[:, :, start:end],
+                                        start - self.prompt_len)
+
+    def dense_nbytes(self) -> int:
+        return sum(2 * l.keys[:, :, :self.dense_len].numel() * l.keys.element_size()
+                   for l in self.layers if l.is_initialized)
+
+    def sparse_nbytes(self) -> int:
+        n_gen = self.sparse_len - self.prompt_len
+        return sum(l.sparse.nbytes(n_gen) for l in self.layers if l.sparse is not None)
