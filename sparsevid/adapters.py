@@ -228,13 +228,142 @@ class Qwen2VLAdapter(Adapter):
                            list(timestamps or []))
 
 
+def read_text(name_or_dir: str, filename: str) -> str | None:
+    """A text file of a model folder or (cached) hub repo, or None if it has none."""
+    if os.path.isdir(name_or_dir):
+        path = os.path.join(name_or_dir, filename)
+        if not os.path.exists(path):
+            return None
+    else:
+        from transformers.utils import cached_file
+
+        path = cached_file(name_or_dir, filename, _raise_exceptions_for_missing_entries=False)
+        if path is None:
+            return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def llava_onevision_preprocess(frames: np.ndarray, size: int, image_mean=CLIP_MEAN, image_std=CLIP_STD) -> torch.Tensor:
+    """Frames [T, H, W, 3] uint8 -> pixel_values_videos [1, T, 3, size, size] float32.
+
+    As transformers' LLaVA-OneVision video processor: every frame resized to size x size (aspect
+    ratio not kept, no padding), bicubic, rescaled by 1/255, normalised with the processor's
+    mean/std. The processor resizes with torchvision (antialiased bicubic); PIL's bicubic is also
+    antialiased, so pixel values agree to within interpolation rounding.
+    """
+    x = resize_normalize(frames, size, size, image_mean, image_std)
+    return torch.from_numpy(x)[None]
+
+
+class LlavaOnevisionAdapter(Adapter):
+    """LLaVA-OneVision (and LLaVA-Video checkpoints, same class).
+
+    Each frame goes through the SigLIP tower at `image_size` (384 for real checkpoints: a
+    n x n patch grid, n = image_size // patch_size = 27), is projected, then bilinearly pooled to
+    ceil(n/2) x ceil(n/2) tokens (14 x 14 = 196 per frame), frames one after the other, each
+    frame row-major. One learned `image_newline` embedding follows the last frame, so the prompt
+    holds T * rows * cols + 1 `<video>` tokens (the processor's count). The newline is part of
+    the visual span (it is a `<video>` position filled by the vision module); its `token_grid`
+    entry is the last cell of the last frame (T-1, rows-1, cols-1), so plots never see an
+    out-of-range cell; `newline_position` names it.
+    """
+
+    arch = "llava_onevision"
+    # The chat format the llava-hf checkpoints' shipped chat template renders for one user turn
+    # with a video and a question (no system turn); used when the folder has no usable template.
+    default_template = "<|im_start|>user <video>\n{question}<|im_end|><|im_start|>assistant\n"
+
+    def __init__(self, name_or_dir, config, tokenizer):
+        super().__init__(name_or_dir, config, tokenizer)
+        cfg = read_json(name_or_dir, "video_preprocessor_config.json") or read_json(
+            name_or_dir, "preprocessor_config.json") or {}
+        vis = config.vision_config
+        # Frames are resized to the tower's image_size: the processor's `size` says the same for
+        # real checkpoints, and the model pools a fixed (image_size // patch_size)^2 grid, so no
+        # other size could run.
+        self.size = int(vis.image_size)
+        self.patch_size = int(vis.patch_size)
+        n = self.size // self.patch_size
+        self.rows = self.cols = math.ceil(n / 2)
+        self.image_mean = tuple(cfg.get("image_mean", CLIP_MEAN))
+        self.image_std = tuple(cfg.get("image_std", CLIP_STD))
+        self.video_token = getattr(tokenizer, "video_token", None) or "<video>"
+        self.video_token_id = int(config.video_token_id)
+        self.chat_template = self._find_template(name_or_dir)
+
+    def _find_template(self, name_or_dir) -> str | None:
+        """The processor's chat template (chat_template.json / .jinja), else the tokenizer's."""
+        cands = []
+        j = read_json(name_or_dir, "chat_template.json")
+        if j and isinstance(j.get("chat_template"), str):
+            cands.append(j["chat_template"])
+        cands.append(read_text(name_or_dir, "chat_template.jinja"))
+        if isinstance(getattr(self.tokenizer, "chat_template", None), str):
+            cands.append(self.tokenizer.chat_template)
+        for tmpl in cands:
+            if tmpl and self._render(tmpl, "Q") is not None:
+                return tmpl
+        return None
+
+    def _render(self, tmpl: str, question: str) -> tuple[str, str] | None:
+        """(before, after) the video token of a one-turn chat, or None if the template does not
+        place exactly one video token before the question."""
+        conv = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
+        try:
+            text = self.tokenizer.apply_chat_template(conv, chat_template=tmpl, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception:
+            return None
+        if not isinstance(text, str) or text.count(self.video_token) != 1:
+            return None
+        before, after = text.split(self.video_token)
+        if question not in after:
+            return None
+        return before, after
+
+    def prompt_parts(self, question: str) -> tuple[str, str]:
+        """Chat text before and after the video tokens."""
+        if self.chat_template is not None:
+            parts = self._render(self.chat_template, question)
+            if parts is not None:
+                return parts
+        before, after = self.default_template.split("<video>")
+        return before, after.format(question=question)
+
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+        question = check_question(question)
+        T = len(frames)
+        pixel_values = llava_onevision_preprocess(frames, self.size, self.image_mean, self.image_std)
+        rows, cols = self.rows, self.cols
+        per_frame = rows * cols
+        n_vis = T * per_frame + 1  # + the image_newline after the last frame
+        before, after = self.prompt_parts(question)
+        pre_ids, post_ids = self.encode(before), self.encode(after)
+        ids = pre_ids + [self.video_token_id] * n_vis + post_ids
+        input_ids = torch.tensor([ids])
+        kwargs = dict(input_ids=input_ids, pixel_values_videos=pixel_values)
+        idx = torch.arange(n_vis - 1)
+        grid = torch.stack([idx // per_frame, (idx % per_frame) // cols, idx % cols], dim=1)
+        grid = torch.cat([grid, torch.tensor([[T - 1, rows - 1, cols - 1]])])
+        start = len(pre_ids)
+        return VideoInputs(kwargs, torch.arange(start, start + n_vis), grid, (T, rows, cols), frames,
+                           list(timestamps or []))
+
+    @staticmethod
+    def newline_position(inputs: VideoInputs) -> int:
+        """Prompt position of the image_newline token (the last visual position)."""
+        return int(inputs.visual_positions[-1])
+
+
 def _sampled_fps(timestamps, n: int) -> float:
     if timestamps is not None and len(timestamps) > 1 and timestamps[-1] > timestamps[0]:
         return (len(timestamps) - 1) / (timestamps[-1] - timestamps[0])
     return 1.0
 
 
-ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": Qwen2VLAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": Qwen2VLAdapter,
+                                      "llava_onevision": LlavaOnevisionAdapter}
 
 
 def adapter_for(name_or_dir: str, config, tokenizer) -> Adapter:

@@ -109,6 +109,7 @@ def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None) -
     return out.logits[0]
 
 
+@torch.inference_mode()
 def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 64,
            sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
            keep_stats: bool = False) -> Result:
