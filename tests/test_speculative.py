@@ -1,0 +1,139 @@
+"""Speculative decoding is lossless: greedy tokens equal dense, sampling matches dense's distribution."""
+
+import numpy as np
+import pytest
+import torch
+
+from sparsevid.engine import Sampling, decode
+from sparsevid.methods import Settings, compare, run_method
+from sparsevid.policies import TopK
+from sparsevid.speculative import LayerSkipDraft, PolicyDraft, speculative_decode
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
+
+
+def clip(n=8, size=112, seed=0):
+    return (np.random.RandomState(seed).rand(n, size, size, 3) * 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def inputs_for(tiny_loaded):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            loaded = tiny_loaded(arch)
+            cache[arch] = (loaded, loaded.adapter.build_inputs(clip(), "what colour is the object ?"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_drafts_equal_dense(inputs_for, arch):
+    loaded, inputs = inputs_for(arch)
+    dense = decode(loaded, inputs, max_new_tokens=24)
+    for gamma in (1, 4, 9):
+        for k in (1, 0.25, 1.0):
+            draft = PolicyDraft(TopK(k))
+            res = speculative_decode(loaded, inputs, draft, gamma=gamma, max_new_tokens=24)
+            assert res.token_ids == dense.token_ids, (arch, gamma, k)
+            if isinstance(k, float) and k == 1.0:  # keeping every visual token: the draft is dense, every proposal accepted
+                assert res.extra["acceptance"] == 1.0
+    for name in ("streaming", "layerskip"):
+        res = run_method(loaded, inputs, name, Settings(gamma=4, k=0.25), max_new_tokens=24)
+        assert res.token_ids == dense.token_ids, name
+
+
+def test_refresh_on_and_off_both_exact(inputs_for):
+    loaded, inputs = inputs_for("qwen2_vl")
+    dense = decode(loaded, inputs, max_new_tokens=24)
+    for refresh in (True, False):
+        for gamma in (1, 3, 9):
+            res = speculative_decode(loaded, inputs, PolicyDraft(TopK(0.25), refresh=refresh), gamma=gamma,
+                                     max_new_tokens=24)
+            assert res.token_ids == dense.token_ids, (refresh, gamma)
+
+
+class ContraryDraft(PolicyDraft):
+    """A draft that proposes the token its logits like least: dense rejects (almost) everything."""
+
+    def forward(self, loaded, run, tokens):
+        return -super().forward(loaded, run, tokens)
+
+
+def test_every_draft_rejected_still_exact(inputs_for):
+    loaded, inputs = inputs_for("qwen2_vl")
+    dense = decode(loaded, inputs, max_new_tokens=16)
+    res = speculative_decode(loaded, inputs, ContraryDraft(TopK(0.25)), gamma=4, max_new_tokens=16)
+    assert res.token_ids == dense.token_ids
+    assert res.extra["acceptance"] < 0.1
+    assert res.extra["rounds"] >= len(dense.token_ids) - 1 - res.extra["accepted"]
+
+
+def test_eos_inside_a_draft(inputs_for, monkeypatch):
+    loaded, inputs = inputs_for("qwen2_vl")
+    free = decode(loaded, inputs, max_new_tokens=16).token_ids
+    eos = free[6]  # make the 7th generated token the end of the answer
+    monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [eos]))
+    dense = decode(loaded, inputs, max_new_tokens=16)
+    assert dense.token_ids[-1] == eos and len(dense.token_ids) <= 7
+    for gamma in (4, 9):
+        res = speculative_decode(loaded, inputs, PolicyDraft(TopK(1.0)), gamma=gamma, max_new_tokens=16)
+        assert res.token_ids == dense.token_ids
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 11])
+def test_max_new_tokens_inside_a_round(inputs_for, max_new):
+    loaded, inputs = inputs_for("qwen2_vl")
+    dense = decode(loaded, inputs, max_new_tokens=max_new)
+    for draft in (PolicyDraft(TopK(1.0)), PolicyDraft(TopK(2)), LayerSkipDraft(1)):
+        res = speculative_decode(loaded, inputs, draft, gamma=9, max_new_tokens=max_new)
+        assert res.token_ids == dense.token_ids
+        assert len(res.token_ids) == len(dense.token_ids) <= max_new
+
+
+def test_compare_reports_figures(inputs_for):
+    loaded, inputs = inputs_for("qwen2_vl")
+    results = compare(loaded, inputs, "std,streaming,layerskip", Settings(k=0.5, gamma=4), max_new_tokens=16)
+    assert list(results) == ["dense", "std", "streaming", "layerskip"]
+    for name in ("std", "streaming", "layerskip"):
+        e = results[name].extra
+        assert e["identical_to_dense"] and e["lossless"]
+        assert 0 <= e["acceptance"] <= 1 and e["rounds"] >= 1 and e["tokens_per_round"] >= 1
+        assert e["speedup"] > 0 and e["predicted_speedup"] > 0
+    # the draft's compact cache is extra memory held beside the full one
+    assert results["std"].kv_bytes > results["dense"].kv_bytes
+
+
+def second_tokens(loaded, inputs, n, runner):
+    out = []
+    for seed in range(n):
+        ids = runner(Sampling(temperature=1.0, seed=seed)).token_ids
+        out.append(tuple(ids[:3]))
+    return out
+
+
+def test_speculative_sampling_matches_dense_distribution(inputs_for):
+    """Chi-square two-sample test on the (2nd, 3rd) generated tokens with a crude LayerSkip draft.
+
+    A wrong acceptance rule (e.g. always accepting) yields the draft's distribution and fails.
+    """
+    from scipy.stats import chi2_contingency
+
+    loaded, inputs = inputs_for("qwen2_vl")
+    n = 400
+    dense = second_tokens(loaded, inputs, n, lambda s: decode(loaded, inputs, max_new_tokens=3, sampling=s))
+    spec = second_tokens(loaded, inputs, n, lambda s: speculative_decode(
+        loaded, inputs, LayerSkipDraft(1), gamma=2, max_new_tokens=3, sampling=Sampling(s.temperature, s.top_p,
+                                                                                        s.seed + 10_000)))
+    for pos in (1, 2):
+        a = [t[pos] for t in dense if len(t) > pos]
+        b = [t[pos] for t in spec if len(t) > pos]
+        keys = sorted(set(a) | set(b))
+        table = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]])
+        big = table.sum(0) >= 10  # pool rare tokens into one bin
+        table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+        table = table[:, table.sum(0) > 0]
+        p = chi2_contingency(table)[1]
+        assert p > 0.001, (pos, p)
