@@ -85,6 +85,7 @@ def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_star
     Hkv = key.shape[1]
     G = H // Hkv
     qs = min(query_start, m - 1)
+    window = min(window, m)  # a prompt shorter than the window: every row is in it
     start = min(qs, m - window) if window else qs
     r = m - start
     rows = query[0, :, start:].float().reshape(Hkv, G * r, D)

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
-    for extra in ("sparsemm", "evaluate"):  # subcommands that live beside their method
+    for extra in ("sparsemm", "evaluation"):  # subcommands that live beside their method
         try:
             __import__(f"sparsevid.{extra}", fromlist=["add_cli"]).add_cli(sub)
         except (ImportError, AttributeError):

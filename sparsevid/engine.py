@@ -81,6 +81,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Peak bytes allocated since `reset_peak_memory` (CUDA only; None elsewhere)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=None, store_dense=True,
             keep_stats=False) -> Run:
     cache = KVCache(loaded.num_layers, inputs.m + capacity_extra, store_dense=store_dense)
@@ -119,6 +129,7 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
     run = new_run(loaded, inputs, max_new_tokens + 1, policy, store_dense=policy is None, keep_stats=keep_stats)
     gen = sampling.generator(dev)
     sync(dev)
+    reset_peak_memory(dev)
     t0 = time.perf_counter()
     logits = prefill(loaded, inputs, run)
     tokens: list[int] = []
@@ -140,5 +151,6 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
     t2 = time.perf_counter()
     kv = run.cache.dense_nbytes() if policy is None else run.cache.sparse_nbytes()
     res = Result(method, tokens, loaded.adapter.decode(tokens), t1 - t0, t2 - t1, steps, kv)
+    res.extra.update(peak_memory_bytes=peak_memory(dev))
     res.trace.update(selections=run.selections, stats=run.stats)
     return res

@@ -33,11 +33,12 @@ class Settings:
     tau: float = 1.0
     eta: float | None = 0.8
     l_v: int | None = None
-    heads_full: int | float | None = None
-    heads_sparse: int | float | None = None
+    heads_full: int | float | None = 0.25
+    heads_sparse: int | float | None = 0.5
     ht_layers: str = "mid+late"
     ht_variant: str = "ht"
     drop_mode: str = "zero"
+    ht_summary: str = "last"
     # SparseMM (SPEC §3.3)
     budget: int | None = None
     window: int = 32
@@ -51,6 +52,7 @@ class Method:
     label: str
     kind: str  # "dense" | "direct" | "speculative"
     build: Callable[[Settings, Loaded], object]  # -> policy (direct) or draft (speculative)
+    figures: Callable | None = None  # (result, dense_result, inputs, loaded) -> None: method's own extras
 
     @property
     def lossless(self) -> bool:
@@ -133,3 +135,8 @@ def add_ratios(res: Result, dense: Result, inputs: VideoInputs, loaded: Loaded) 
         draft_entries = e["draft_entries"]
         io_avg = (gamma * draft_entries + m) / (alpha * gamma)
         e["predicted_speedup"] = m / io_avg
+    if method.figures is not None:
+        method.figures(res, dense, inputs, loaded)
+
+
+from . import htsparse  # noqa: E402,F401  (registers its methods)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .adapters import VideoInputs
-from .engine import Result, Sampling, new_run, prefill, probs_from_logits, step, sync
+from .engine import Result, Sampling, new_run, peak_memory, prefill, probs_from_logits, reset_peak_memory, step, sync
 from .models import Loaded
 
 
@@ -113,6 +113,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
     run = new_run(loaded, inputs, max_new_tokens + gamma + 2, draft.policy, store_dense=True)
     gen = sampling.generator(dev)
     sync(dev)
+    reset_peak_memory(dev)
     t0 = time.perf_counter()
     logits = prefill(loaded, inputs, run)
     first = _sample(logits, sampling, gen)
@@ -181,7 +182,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
         draft_entries = inputs.m * draft.layers / L
     res.extra.update(draft_entries=draft_entries, acceptance=accepted_n / proposed_n if proposed_n else None, rounds=len(rounds),
                      tokens_per_round=(len(out) - 1) / len(rounds) if rounds else None, gamma=gamma,
-                     proposed=proposed_n, accepted=accepted_n)
+                     proposed=proposed_n, accepted=accepted_n, peak_memory_bytes=peak_memory(dev))
     res.trace.update(rounds=rounds, selections=run.selections)
     return res
 
