@@ -249,8 +249,9 @@ def llava_onevision_preprocess(frames: np.ndarray, size: int, image_mean=CLIP_ME
 
     As transformers' LLaVA-OneVision video processor: every frame resized to size x size (aspect
     ratio not kept, no padding), bicubic, rescaled by 1/255, normalised with the processor's
-    mean/std. The processor resizes with torchvision (antialiased bicubic); PIL's bicubic is also
-    antialiased, so pixel values agree to within interpolation rounding.
+    mean/std. Identical to the PIL backend of transformers' LLaVA-OneVision image processor
+    (tested); the torchvision video processor's antialiased bicubic uses a slightly different
+    kernel, so its pixel values differ by small interpolation differences, not in layout.
     """
     x = resize_normalize(frames, size, size, image_mean, image_std)
     return torch.from_numpy(x)[None]

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random-weight models of each architecture, built once per session.
+
+The environment is set before torch/transformers are imported: no hub access, and OpenMP
+threads that sleep instead of spinning (the test machines are shared).
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(arch) -> folder of a saved tiny `arch` model (built once per session)."""
+    from sparsevid.tiny import make_tiny_model
+
+    built = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            built[arch] = make_tiny_model(arch, str(tmp_path_factory.mktemp(arch)))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """tiny_loaded(arch) -> `Loaded` tiny model on CPU in float32, through `load_model` (once per session).
+
+    Shared between tests: a test that changes the model (e.g. its attention implementation)
+    must restore it.
+    """
+    from sparsevid.models import load_model
+
+    loaded = {}
+
+    def get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = load_model(tiny_model_dir(arch), device="cpu", dtype="float32")
+        return loaded[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def frames():
+    """Six 60 x 80 RGB frames: a bright square moving left to right on a dark noisy background."""
+    rng = np.random.RandomState(0)
+    out = rng.randint(0, 60, size=(6, 60, 80, 3)).astype(np.uint8)
+    for i in range(len(out)):
+        x = 4 + 10 * i
+        out[i, 20:36, x:x + 16] = (230, 40, 40)
+    return out
+
+
+@pytest.fixture(scope="session")
+def video_inputs(tiny_loaded, frames):
+    """video_inputs(arch) -> the prefill inputs of `frames` and a fixed question for that model."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = tiny_loaded(arch).adapter.build_inputs(frames, "what colour is the moving object ?")
+        return cache[arch]
+
+    return get
