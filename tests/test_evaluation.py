@@ -1,0 +1,177 @@
+"""Evaluation over a manifest: one process, two CPU processes under `accelerate launch`, resume,
+failed clips, summary and report. A tiny random model on four toy clips (one of them broken)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sparsevid import cli, evaluation
+from sparsevid.toy.__main__ import main as toy_main
+from sparsevid.video import load_video
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = "std,layerskip"
+
+
+@pytest.fixture(scope="module")
+def evalset(tmp_path_factory):
+    """Three toy clips from `make-eval` (8 and 12 frames) plus a broken video file."""
+    d = tmp_path_factory.mktemp("evalset")
+    assert toy_main(["make-eval", "--n", "3", "--out", str(d), "--frames", "8,12"]) == 0
+    (d / "clips" / "broken.mp4").write_bytes(b"this is not a video\n" * 100)
+    with open(d / "manifest.jsonl", "a") as f:
+        f.write(json.dumps({"id": "broken", "video": "clips/broken.mp4", "question": "What colour is the circle?",
+                            "answer": "red"}) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("qwen2_vl")
+
+
+def eval_args(data, model, out, *extra):
+    return ["eval", "--data", str(data), "--model", model, "--methods", METHODS, "--max-new-tokens", "6",
+            "--out", str(out), "--quiet", "--device", "cpu", *extra]
+
+
+def read(out):
+    with open(os.path.join(out, evaluation.RESULTS)) as f:
+        return f.read().splitlines()
+
+
+def answers(lines):
+    """(id, method) -> (token ids, error) of results lines."""
+    rows = [json.loads(line) for line in lines]
+    return {(r["id"], r["method"]): (r.get("token_ids"), r.get("error")) for r in rows}
+
+
+@pytest.fixture(scope="module")
+def single(evalset, model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    assert cli.main(eval_args(evalset, model, out, "--report")) == 0
+    return out
+
+
+def test_make_eval_manifest(evalset):
+    items = evaluation.read_manifest(str(evalset))
+    assert [it["id"] for it in items] == ["toy-0000", "toy-0001", "toy-0002", "broken"]
+    for it in items[:3]:
+        assert it["seed"] >= evaluation.TOY_EVAL_SEED > 1_000_000_000  # toy training seeds are < 1e9
+        assert it["answer"] and it["question"] and len(it["boxes"]) == it["frames"]
+        assert all(b is None or all(0 <= v <= 1 for v in b) for b in it["boxes"])
+        assert load_video(it["path"], it["frames"]).frames.shape[0] == it["frames"]
+    assert [it["frames"] for it in items[:3]] == [8, 12, 8]
+
+
+def test_single_process(single, capsys):
+    lines = read(single)
+    rows = [json.loads(line) for line in lines]
+    assert [(r["id"], r["method"]) for r in rows] == [
+        (i, m) for i in ("toy-0000", "toy-0001", "toy-0002", "broken") for m in ("dense", "std", "layerskip")]
+    for r in rows[:9]:
+        assert "error" not in r and r["text"] is not None and r["token_ids"]
+        assert isinstance(r["correct"], bool) and r["reference"]
+        assert r["identical_to_dense"] is True  # std and layerskip are lossless under greedy decoding
+        assert r["speedup"] > 0 and r["kv_ratio"] > 0 and r["decode_s"] > 0 and r["frames"] in (8, 12)
+    assert rows[1]["acceptance"] is not None and rows[0]["acceptance"] is None
+    for r in rows[9:]:
+        assert "could not be read" in r["error"]
+
+    with open(single / evaluation.SUMMARY) as f:
+        summary = json.load(f)
+    assert list(summary["methods"]) == ["dense", "std", "layerskip"]
+    std = summary["methods"]["std"]
+    assert std["items"] == 4 and std["errors"] == 1 and std["with_reference"] == 3
+    assert std["agreement_with_dense"] == 1.0
+    assert std["speedup"]["n"] == 3 and std["speedup"]["q1"] <= std["speedup"]["median"] <= std["speedup"]["q3"]
+    assert summary["errors"] == [{"id": "broken", "error": rows[-1]["error"]}]
+
+    md = (single / "report.md").read_text()
+    assert md.splitlines()[0] == "| method | accuracy | agreement with dense | speedup | acceptance | KV vs dense | items |"
+    assert len(md.splitlines()) == 5
+    page = (single / "report.html").read_text()
+    assert page.count("Plotly.newPlot") == 3 and "<script src=" not in page  # plotly.js embedded once
+    assert page.count("plotly.js v") == 1 and "Failed items" in page
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_two_processes_equal_single(single, evalset, model, tmp_path):
+    out = tmp_path / "multi"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), "-m", "sparsevid"]
+    p = subprocess.run(launch + eval_args(evalset, model, out), cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "process 0 of 2" in p.stderr and "process 1 of 2" in p.stderr
+    assert answers(read(out)) == answers(read(single))
+    assert p.stdout.startswith("| method | accuracy |")  # process 0 prints the table, once
+    assert not list(out.glob("results.part-*"))  # journals merged and removed
+    with open(out / evaluation.SUMMARY) as f, open(single / evaluation.SUMMARY) as g:
+        a, b = json.load(f), json.load(g)
+    assert a["errors"] == b["errors"] and a["items"] == b["items"]
+    assert {k: (m["accuracy"], m["items"]) for k, m in a["methods"].items()} == \
+           {k: (m["accuracy"], m["items"]) for k, m in b["methods"].items()}
+
+
+def test_resume_runs_only_what_is_missing(single, evalset, model, tmp_path, capsys):
+    out = tmp_path / "resumed"
+    shutil.copytree(single, out)
+    lines = read(single)
+    first, second = lines[0:3], lines[3:6]  # toy-0000 and toy-0001, three methods each
+    # An interrupted run: toy-0000 never finished; toy-0001 finished but was only in a process's journal.
+    (out / evaluation.RESULTS).write_text("\n".join(lines[6:]) + "\n")
+    (out / evaluation.JOURNAL.format(1)).write_text("\n".join(second) + "\n" + second[0][:40])  # + a torn line
+    assert cli.main(eval_args(evalset, model, out)) == 0
+    assert "3 of 4 items done, 1 to run" in capsys.readouterr().err
+    resumed = read(out)
+    assert resumed[3:] == lines[3:]  # not recomputed: byte-identical, times included
+    assert answers(resumed[:3]) == answers(first)  # recomputed: same answers
+    assert resumed[:3] != first  # ... with new times
+    assert not list(out.glob("results.part-*"))
+
+    assert cli.main(eval_args(evalset, model, out)) == 0  # nothing left to do
+    assert "4 of 4 items done, 0 to run" in capsys.readouterr().err
+    assert read(out) == resumed
+
+
+def test_other_settings_add_rows(single, evalset, model, tmp_path, capsys):
+    out = tmp_path / "gammas"
+    shutil.copytree(single, out)
+    args = eval_args(evalset, model, out, "--gamma", "3", "--report")
+    args[args.index("--methods") + 1] = "std"
+    assert cli.main(args) == 0
+    assert "0 of 4 items done, 4 to run" in capsys.readouterr().err
+    assert len(read(out)) == len(read(single)) + 4 * 2
+    with open(out / evaluation.SUMMARY) as f:
+        summary = json.load(f)
+    assert summary["varying_settings"] == ["gamma"]
+    assert list(summary["methods"]) == ["dense (gamma=9)", "std (gamma=9)", "layerskip (gamma=9)",
+                                        "dense (gamma=3)", "std (gamma=3)"]
+    assert "Draft acceptance vs γ" in (out / "report.html").read_text()
+
+
+def test_bad_manifest_is_one_error_line(tmp_path, model, capsys):
+    (tmp_path / "manifest.jsonl").write_text('{"video": "a.mp4", "question": "What?"}\nnot json\n')
+    assert cli.main(eval_args(tmp_path, model, tmp_path / "out")) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert cli.main(eval_args(tmp_path / "nowhere", model, tmp_path / "out")) == 2
+
+
+def test_spread_and_table():
+    st = evaluation.spread([4.0, 1.0, None, 3.0, 2.0])
+    assert st == dict(median=2.5, q1=1.75, q3=3.25, min=1.0, max=4.0, n=4)
+    assert evaluation.spread([None]) is None
+    assert evaluation._fmt(st) == "2.50x (1.75x–3.25x)" and evaluation._fmt(evaluation.spread([0.5]), True) == "50%"
