@@ -151,7 +151,9 @@ def _prefill_hook(run: Run, layer: int, out, query, key, value, scale):
     run.selections[layer] = sel
     gen_capacity = run.cache.capacity - key.shape[2]
     run.cache.set_sparse(layer, SparseKV(key, value, sel, gen_capacity, run.num_heads))
-    if sel.route_prefill:
+    if sel.route_prefill and not run.cache.store_dense:
+        # Direct use only: as a draft, the prefill also fills the dense cache and gives the first
+        # token, so it must stay dense (the draft then routes its decode steps only).
         out = _route_prefill_rows(out, query, key, value, scale, sel, min(run.query_start, key.shape[2] - 1))
     return out
 

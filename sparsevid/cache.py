@@ -29,7 +29,8 @@ class LayerSelection:
     query_mask: optional bool [H, m]: prompt positions query head `h` may attend (HT-Sparse sparse
         heads inside a group that also serves a full head).
     head_scale: optional float [H]: output multiplier per query head (0 = dropped head).
-    route_prefill: also apply this selection to the query rows of prefill (HT-Sparse).
+    route_prefill: also apply this selection to the query rows of prefill (HT-Sparse), when the
+        policy is used directly (a draft's prefill stays dense: it fills the dense cache).
     roles: optional int8 [H] for the trace (0 full, 1 sparse, 2 dropped).
     """
 
@@ -83,8 +84,10 @@ class SparseKV:
     Uniform layout (every KV head keeps the same number K of prompt entries): one buffer
     `k, v [1, Hkv, K + gen_capacity, D]`, prompt entries first; attention is one SDPA call.
     Ragged layout (lengths differ per head): prompt entries flat `pk, pv [N, D]` with `head_of [N]`,
-    generated tokens in `gk, gv [1, Hkv, gen_capacity, D]`; attention is a segment softmax over
-    both parts, vectorised over heads. Memory is N (or Hkv*K) + Hkv*gen_capacity entries.
+    generated tokens in `gk, gv [1, Hkv, gen_capacity, D]`; attention scores every head's queries
+    against all N entries in one matmul (each entry read once per step, as dense decoding reads its
+    cache) with the other heads' entries masked out (`head_bias [Hkv, N]`), then one softmax over
+    both parts. Memory is N (or Hkv*K) + Hkv*gen_capacity entries.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
@@ -119,6 +122,8 @@ class SparseKV:
             self.pv = values[0, self.head_of, flat].contiguous()
             self.gk = keys.new_empty(1, Hkv, gen_capacity, D)
             self.gv = values.new_empty(1, Hkv, gen_capacity, D)
+            self.head_bias = torch.zeros(Hkv, len(flat), dtype=keys.dtype, device=dev).masked_fill_(
+                self.head_of[None, :] != torch.arange(Hkv, device=dev)[:, None], float("-inf"))
             self.bias = None
             if qmask is not None:  # [N, G]
                 allowed = qmask[self.head_of, :, flat]
@@ -158,23 +163,20 @@ class SparseKV:
         _, H, q, D = query.shape
         Hkv = self.gk.shape[1]
         G = H // Hkv
-        qg = query[0].view(Hkv, G, q, D).float()
-        s_p = torch.einsum("ngqd,nd->ngq", qg[self.head_of], self.pk.float()) * scale  # [N, G, q]
-        if self.bias is not None:
-            s_p = s_p + self.bias[:, :, None]
+        N = self.pk.shape[0]
+        qg = query[0].reshape(Hkv, G * q, D).float()
+        s_p = torch.matmul(qg, self.pk.float().T).view(Hkv, G, q, N) * scale
+        bias = self.head_bias[:, None, None, :]  # [Hkv, 1, 1, N]
+        if self.bias is not None:  # query mask [N, G]
+            bias = bias + self.bias.T[None, :, None, :]
         gk, gv = self.gk[0, :, :n_gen].float(), self.gv[0, :, :n_gen].float()
-        s_g = torch.einsum("hgqd,hkd->hgqk", qg, gk) * scale  # [Hkv, G, q, n_gen]
+        s_g = torch.matmul(qg, gk.transpose(1, 2)).view(Hkv, G, q, n_gen) * scale
         if q > 1:
             s_g = s_g.masked_fill(~_causal_mask(q, n_gen, query.device), float("-inf"))
-        mx = s_g.amax(-1).clone()
-        mx.index_reduce_(0, self.head_of, s_p, "amax")
-        e_p = torch.exp(s_p - mx[self.head_of])
-        e_g = torch.exp(s_g - mx[..., None])
-        den = e_g.sum(-1).index_add_(0, self.head_of, e_p)
-        num = torch.einsum("hgqk,hkd->hgqd", e_g, gv)
-        num.index_add_(0, self.head_of, e_p[..., None] * self.pv.float()[:, None, None, :])
-        out = (num / den[..., None]).to(query.dtype)  # [Hkv, G, q, D]
-        return out.reshape(1, H, q, D).transpose(1, 2)
+        p = torch.cat([s_p + bias, s_g], dim=-1).softmax(-1)  # [Hkv, G, q, N + n_gen]
+        out = (torch.matmul(p[..., :N].reshape(Hkv, G * q, N), self.pv.float())
+               + torch.matmul(p[..., N:].reshape(Hkv, G * q, n_gen), gv))
+        return out.to(query.dtype).view(1, H, q, D).transpose(1, 2)
 
     def copy_generated(self, keys: torch.Tensor, values: torch.Tensor, gen_pos: int) -> None:
         """Replace generated entries from gen_pos with dense KV [1, Hkv, n, D] (draft refresh)."""

@@ -39,6 +39,7 @@ class Settings:
     ht_variant: str = "ht"
     drop_mode: str = "zero"
     ht_summary: str = "last"
+    ht_by_group: bool = False
     # SparseMM (SPEC §3.3)
     budget: int | None = None
     window: int = 32
@@ -140,3 +141,4 @@ def add_ratios(res: Result, dense: Result, inputs: VideoInputs, loaded: Loaded) 
 
 
 from . import htsparse  # noqa: E402,F401  (registers its methods)
+from . import sparsemm  # noqa: E402,F401  (registers its methods)

@@ -1,0 +1,128 @@
+"""HT-Sparse ablation on the embedded toy model's held-out clips (SPEC §3.2 figures).
+
+    python -m sparsevid.htsparse_ablation --n 20 --frames 16,256 \
+        --configs "variant=ht,head,token;layers=early,mid,late,mid+late"
+
+Each `--configs` axis is `field=v1,v2,...` (fields of `methods.Settings` without the `ht_` prefix
+where it has one: variant, layers, eta, l_v, tau, heads_full, heads_sparse, drop_mode, summary);
+every combination runs as the `htsparse` method beside one dense run per clip (same process,
+same inputs). A row: accuracy (exact answer, as `python -m sparsevid.toy eval`), and the medians
+over clips of decode KV %, KV held at the end (kv_ratio), end-to-end latency %, prefill / decode
+FLOPs % and peak memory % against dense (`htsparse.htsparse_figures`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+FIGS = ("decode_kv_pct", "kv_ratio", "latency_pct", "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct",
+        "prefill_kv_pct")
+ALIASES = {"variant": "ht_variant", "layers": "ht_layers", "summary": "ht_summary"}
+
+
+def parse_value(v: str):
+    if v in ("None", "none"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_configs(spec: str) -> list[dict]:
+    """'variant=ht,head;eta=0.7,0.8' -> the cartesian product as a list of Settings overrides."""
+    axes = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        key, values = part.split("=", 1)
+        key = ALIASES.get(key.strip(), key.strip())
+        axes.append([(key, parse_value(v.strip())) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
+
+
+def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], max_new_tokens: int = 24,
+             progress: bool = True) -> list[dict]:
+    from tqdm import tqdm
+
+    from .methods import Settings, add_ratios, run_method
+    from .models import load_model
+    from .toy.clips import SHORT_MAX
+    from .toy.evaluate import eval_samples
+    from .toy.questions import normalise
+
+    loaded = load_model(model, device="cpu", dtype="float32")
+    base = Settings()
+    settings = [replace(base, **c) for c in configs]
+    rows = [dict(config=c, ok=[], length=[], figs={k: [] for k in FIGS}) for c in configs]
+    dense_ok, lengths = [], []
+    jobs = [(f, s) for f in frames for s in eval_samples(n, f)]
+    for f, s in tqdm(jobs, desc="htsparse ablation", disable=not progress, file=sys.stderr):
+        inputs = loaded.adapter.build_inputs(s.clip.frames, s.question)
+        dense = run_method(loaded, inputs, "dense", base, max_new_tokens)
+        dense_ok.append(normalise(dense.text) == normalise(s.answer))
+        lengths.append("short" if f <= SHORT_MAX else "long")
+        for row, st in zip(rows, settings):
+            res = run_method(loaded, inputs, "htsparse", st, max_new_tokens)
+            add_ratios(res, dense, inputs, loaded)
+            row["ok"].append(normalise(res.text) == normalise(s.answer))
+            for k in FIGS:
+                v = res.extra.get(k)
+                row["figs"][k].append(100 * v if k == "kv_ratio" else v)
+
+    def acc(ok, length=None):
+        sel = [o for o, ln in zip(ok, lengths) if length in (None, ln)]
+        return round(100 * sum(sel) / len(sel), 1) if sel else None
+
+    out = [dict(config="dense", accuracy=acc(dense_ok), short=acc(dense_ok, "short"), long=acc(dense_ok, "long"))]
+    for row in rows:
+        r = dict(config=row["config"], accuracy=acc(row["ok"]), short=acc(row["ok"], "short"),
+                 long=acc(row["ok"], "long"))
+        r.update({k: round(statistics.median(v), 1) for k, v in row["figs"].items() if v})
+        out.append(r)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["config", "acc %", "short", "long", "decode KV %", "KV end %", "latency %", "prefill FLOPs %",
+            "decode FLOPs %", "peak mem %"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cfg = r["config"] if isinstance(r["config"], str) else " ".join(f"{k}={v}" for k, v in r["config"].items())
+        vals = [r.get(k) for k in ("accuracy", "short", "long", "decode_kv_pct", "kv_ratio", "latency_pct",
+                                   "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct")]
+        lines.append("| " + " | ".join([cfg or "defaults"] + ["" if v is None else f"{v:g}" for v in vals]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparsevid.htsparse_ablation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded toy model)")
+    ap.add_argument("--n", type=int, default=20, help="questions per clip length")
+    ap.add_argument("--frames", default="16,256")
+    ap.add_argument("--configs", default="variant=ht,head,token;layers=early,mid,late,mid+late")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    rows = ablation(a.model, a.n, [int(f) for f in a.frames.split(",") if f], parse_configs(a.configs),
+                    a.max_new_tokens, progress=not a.json)
+    print(json.dumps(rows) if a.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
