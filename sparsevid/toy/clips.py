@@ -29,6 +29,7 @@ PHASES = ["beginning", "middle", "end"]
 _DXY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 BAR_H = 3  # progress bar rows at the bottom of every frame
 SHORT_MAX = 32  # clips up to this many frames are "short"
+MAX_SEG = 20  # longest visible segment (frames): fast straight paths must stay inside the frame
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return img.astype(np.float32)
 
 
-def _path(rng, direction, size, length, w, h_usable, speed_range=(1.8, 3.2)):
+def _path(rng, direction, size, length, w, h_usable, speed_range=(3.0, 4.5)):
     """Start centre and per-frame velocity of a straight path of `length` frames inside the frame."""
     margin = 2
     span_max = (w if direction in ("left", "right") else h_usable) - size - 2 * margin
@@ -174,7 +175,7 @@ def make_clip(
 
     Short clips (<= 32 frames): 1..max_objects objects, each visible for the whole clip or for a
     segment inside one third of it. Long clips (> 32 frames): 2..max_objects objects, each visible
-    only in a short segment (12..32 frames). ``segment_first`` forces object 0 to be a segment
+    only in a short segment (12..20 frames). ``segment_first`` forces object 0 to be a segment
     object (needed for "when" and "describe" questions). Colours and shapes are distinct within a
     clip, so "the red object" or "the circle" always names exactly one object.
     """
@@ -223,17 +224,17 @@ def make_clip(
     for k in range(n_objects):
         placed = None
         for _try in range(60):
-            sz = int(rng.integers(18, 27))
+            sz = int(rng.integers(20, 29))
             direction = DIRECTIONS[int(rng.integers(0, 4))]
             if long:
                 full = False
-                seg = _segment(rng, T, int(rng.integers(0, 3)), 12, 32)
+                seg = _segment(rng, T, int(rng.integers(0, 3)), 12, MAX_SEG)
             else:
-                full = (not (segment_first and k == 0)) and rng.random() < 0.5
+                full = (not (segment_first and k == 0)) and T <= MAX_SEG and rng.random() < 0.5
                 if full:
                     seg = (0, T)
                 else:
-                    seg = _segment(rng, T, int(rng.integers(0, 3)), 2, max(2, T // 3))
+                    seg = _segment(rng, T, int(rng.integers(0, 3)), 2, min(MAX_SEG, max(2, T // 3)))
             length = seg[1] - seg[0]
             (c0x, c0y), (vx, vy) = _path(rng, direction, sz, length, W, h_usable)
             cen = np.full((T, 2), np.nan, dtype=np.float32)

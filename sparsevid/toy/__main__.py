@@ -1,0 +1,80 @@
+"""CLI: python -m sparsevid.toy train [--out DIR] [--seed S] | eval [...] | examples [...]."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(argv=None) -> int:
+    from . import DEFAULT_MODEL_DIR
+
+    ap = argparse.ArgumentParser(prog="python -m sparsevid.toy")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train", help="train the toy model from scratch (about 45 min on 2 CPU cores)")
+    tr.add_argument("--out", default=DEFAULT_MODEL_DIR)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--threads", type=int, default=2)
+    tr.add_argument("--tiny", action="store_true", help="a few steps on tiny settings (smoke test)")
+    tr.add_argument("--scale", type=float, default=1.0, help="multiply the number of steps")
+    ev = sub.add_parser("eval", help="held-out accuracy and attention figures")
+    ev.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    ev.add_argument("--n", type=int, default=60, help="questions per clip length")
+    ev.add_argument("--frames", default="16,256", help="comma-separated clip lengths (frames)")
+    ev.add_argument("--methods", default="dense")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--threads", type=int, default=2)
+    ex = sub.add_parser("examples", help="write the bundled example clips and examples.json")
+    ex.add_argument("--out", default=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "examples"))
+    ex.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    me = sub.add_parser("make-eval", help="held-out clips + manifest.jsonl for `python -m sparsevid eval`")
+    me.add_argument("--n", type=int, default=40)
+    me.add_argument("--out", required=True)
+    me.add_argument("--frames", default="16,32,64,128", help="comma list of clip lengths, cycled")
+    me.add_argument("--seed", type=int, default=None, help="first clip seed (default 2.1e9: disjoint from training)")
+    a = ap.parse_args(argv)
+
+    if a.cmd == "make-eval":
+        from ..evaluation import make_toy_eval_set
+
+        print(make_toy_eval_set(a.n, a.out, [int(f) for f in a.frames.split(",")], a.seed))
+        return 0
+
+    if a.cmd == "train":
+        from dataclasses import replace
+
+        from .train import TINY, TrainConfig, train
+
+        cfg = TrainConfig(seed=a.seed, threads=a.threads)
+        if a.tiny:
+            cfg = replace(cfg, **TINY)
+        elif a.scale != 1.0:
+            cfg = replace(cfg, stage1_steps=int(cfg.stage1_steps * a.scale),
+                          stage2_steps=int(cfg.stage2_steps * a.scale), stage3_steps=int(cfg.stage3_steps * a.scale))
+        info = train(cfg, a.out)
+        print(json.dumps(info))
+        return 0
+    if a.cmd == "eval":
+        from .evaluate import evaluate, format_report
+
+        res = evaluate(a.model, n=a.n, frames=[int(f) for f in a.frames.split(",") if f],
+                       methods=[m for m in a.methods.split(",") if m], threads=a.threads,
+                       progress=not a.json)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print(format_report(res))
+        return 0
+    if a.cmd == "examples":
+        from .examples import write_examples
+
+        write_examples(a.out, a.model)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

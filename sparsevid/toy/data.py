@@ -1,0 +1,103 @@
+"""Turn toy samples into model inputs plus the training-only targets (per-token labels, grounding)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .clips import COLOURS, DIRECTIONS, SHAPES, Clip, phase_of
+from .model import MERGE, PATCH, preprocess_frames, prompt_ids
+from .questions import Sample
+
+MIN_COVER = 20  # pixels of an object (over the 2 frames of a token) for the token to carry its label
+
+
+@dataclass
+class Encoded:
+    input_ids: list
+    labels: list
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    vis_start: int
+    n_visual: int
+    prompt_len: int
+    aux: np.ndarray  # [n_visual, 4]: colour, shape, direction (0 = none), phase
+    target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
+
+
+def _pad_time(a: np.ndarray, tp: int = 2) -> np.ndarray:
+    if a.shape[0] % tp:
+        a = np.concatenate([a, np.repeat(a[-1:], tp - a.shape[0] % tp, 0)], 0)
+    return a
+
+
+def token_labels(clip: Clip, gt: int, mh: int, mw: int) -> np.ndarray:
+    """Per merged visual token: colour+1, shape+1, direction+1 of the object under it (0 none), phase."""
+    cell = PATCH * MERGE
+    idm = _pad_time(clip.idmap)[:, : mh * cell, : mw * cell]
+    T = clip.n_frames
+    n = gt * mh * mw
+    out = np.zeros((n, 4), dtype=np.int64)
+    best = np.zeros(n, dtype=np.int64)
+    for o in clip.objects:
+        c = (idm == o.id).reshape(gt, 2, mh, cell, mw, cell).sum(axis=(1, 3, 5)).reshape(-1)
+        sel = (c >= MIN_COVER) & (c > best)
+        best = np.where(sel, c, best)
+        out[sel, 0] = COLOURS.index(o.colour) + 1
+        out[sel, 1] = SHAPES.index(o.shape) + 1
+        out[sel, 2] = DIRECTIONS.index(o.direction) + 1
+    ph = np.array([phase_of(min(2 * t + 1, T - 0.5), T) for t in range(gt)])
+    out[:, 3] = np.repeat(ph, mh * mw)
+    return out
+
+
+def target_cells(sample: Sample, gt: int, mh: int, mw: int) -> np.ndarray:
+    """Bool per merged token: its cell intersects the asked object's box in one of its frames."""
+    cell = PATCH * MERGE
+    m = np.zeros((gt, mh, mw), dtype=bool)
+    T = sample.clip.n_frames
+    for oid in sample.target_ids:
+        boxes = sample.clip.obj(oid).boxes
+        for f in range(T):
+            x0, y0, x1, y1 = boxes[f]
+            if x0 < 0:
+                continue
+            m[f // 2, y0 // cell:(y1 - 1) // cell + 1, x0 // cell:(x1 - 1) // cell + 1] = True
+    return m.reshape(-1)
+
+
+def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
+    pv, thw = preprocess_frames(sample.clip.frames)
+    gt, gh, gw = (int(v) for v in thw[0])
+    mh, mw = gh // MERGE, gw // MERGE
+    nv = gt * mh * mw
+    ids = prompt_ids(tok, sample.question, nv, special)
+    plen = len(ids)
+    labels = [-100] * plen
+    if with_answer:
+        ans = tok.encode(sample.answer, add_special_tokens=False) + [special["<|im_end|>"]]
+        ids = ids + ans
+        labels = labels + ans
+    vs = ids.index(special["<|video_pad|>"])
+    return Encoded(ids, labels, pv, thw, vs, nv, plen, token_labels(sample.clip, gt, mh, mw),
+                   target_cells(sample, gt, mh, mw))
+
+
+def collate(encs: list[Encoded], pad_id: int, video_id: int) -> dict:
+    L = max(len(e.input_ids) for e in encs)
+    B = len(encs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    lab = torch.full((B, L), -100, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    for b, e in enumerate(encs):
+        n = len(e.input_ids)
+        ids[b, :n] = torch.tensor(e.input_ids)
+        lab[b, :n] = torch.tensor(e.labels)
+        att[b, :n] = 1
+    mm = (ids == video_id).long() * 2
+    return {
+        "input_ids": ids, "labels": lab, "attention_mask": att, "mm_token_type_ids": mm,
+        "pixel_values_videos": torch.cat([e.pixel_values for e in encs], 0),
+        "video_grid_thw": torch.cat([e.grid_thw for e in encs], 0),
+    }

@@ -1,0 +1,232 @@
+"""Held-out evaluation of the toy model: exact-answer accuracy and attention figures.
+
+Clips come from seeds >= 1e9 + 7e8 (training uses seeds < 1e9, its quick validation 1.5e9..),
+question types cycle evenly. Attention figures come from the dense prefill:
+
+- relevance r[l, g, j]: attention of the query tokens (positions after the last visual token)
+  to visual token j, softmax over all keys, averaged over query tokens, summed over the query
+  heads of KV group g (SPEC §1);
+- top10_mass: share of r[l, g, :] held by its top 10 % of visual tokens, averaged over layers
+  and KV heads;
+- box_hit_rate: for the most relevant heads (the quarter of (layer, KV head) pairs whose query
+  tokens give the visual span the most attention), the share of their top-K visual tokens
+  whose cell touches the asked object's box (K = the number of such cells, at most 16);
+  box_hit_rate_random is what a random choice of K tokens would score.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from .clips import SHORT_MAX
+from .data import encode
+from .questions import QTYPES, make_sample, normalise
+from .tokenizer import SPECIAL_TOKENS
+
+EVAL_SEED_BASE = 1_700_000_000
+
+
+def load_toy(model_dir: str, attn: str = "eager"):
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
+    model.eval()
+    special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return tok, model, special
+
+
+def eval_samples(n: int, frames: int) -> list:
+    return [make_sample(EVAL_SEED_BASE + frames * 100_000 + i, frames, QTYPES[i % len(QTYPES)]) for i in range(n)]
+
+
+def model_inputs(enc, special) -> dict:
+    ids = torch.tensor([enc.input_ids])
+    return {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == special["<|video_pad|>"]).long() * 2,
+        "pixel_values_videos": enc.pixel_values, "video_grid_thw": enc.grid_thw,
+    }
+
+
+def relevance(prefill_attns, vis_start: int, n_visual: int, n_kv: int) -> np.ndarray:
+    """r[l, g, j] from the prefill attention maps (tuple of [1, H, L, L])."""
+    out = []
+    q0 = vis_start + n_visual
+    for a in prefill_attns:
+        a = a[0, :, q0:, vis_start:vis_start + n_visual].float()  # H, Q, V
+        H = a.shape[0]
+        r = a.mean(1).reshape(n_kv, H // n_kv, n_visual).sum(1)
+        out.append(r.numpy())
+    return np.stack(out)
+
+
+def attention_figures(r: np.ndarray, target: np.ndarray, head_frac: float = 0.25, kmax: int = 16) -> dict:
+    L, G, V = r.shape
+    k10 = max(1, math.ceil(0.1 * V))
+    srt = -np.sort(-r, axis=-1)
+    top10 = srt[..., :k10].sum(-1) / np.maximum(r.sum(-1), 1e-12)  # L, G
+    mass = r.sum(-1).reshape(-1)
+    n_sel = max(1, int(round(head_frac * L * G)))
+    sel = np.argsort(-mass)[:n_sel]
+    K = int(min(kmax, max(1, target.sum())))
+    hits = []
+    for idx in sel:
+        l, g = divmod(int(idx), G)
+        top = np.argsort(-r[l, g])[:K]
+        hits.append(target[top].mean())
+    return {"top10_mass": top10, "box_hit_rate": float(np.mean(hits)),
+            "box_hit_rate_random": float(target.sum() / V)}
+
+
+def _engine():
+    """The project's engine and methods, or None when they cannot be imported."""
+    try:
+        from sparsevid import engine, methods, models  # noqa: F401
+
+        return engine, methods, models
+    except Exception:
+        return None
+
+
+class _Runner:
+    """Runs dense (with relevance) and the other methods on one sample.
+
+    Through the project's engine (`sparsevid.models.load_model`, the model's adapter,
+    `sparsevid.engine.decode` with prefill statistics, `sparsevid.methods.run_method`) when it is
+    importable; else plain greedy `generate` with eager attention (dense only).
+    """
+
+    def __init__(self, model_dir: str, methods, max_new_tokens: int, use_engine: bool = True):
+        self.methods, self.max_new_tokens = list(methods), max_new_tokens
+        eng = _engine() if use_engine else None
+        self.engine = eng
+        if eng is not None:
+            engine, meth, models = eng
+            self.loaded = models.load_model(model_dir, device="cpu", dtype="float32")
+            self.tok = self.loaded.tokenizer
+            self.names = meth.parse_methods(self.methods)
+            self.settings = meth.Settings()
+            self.n_kv = self.loaded.num_kv_heads
+        else:
+            self.tok, self.model, self.special = load_toy(model_dir)
+            self.names = ["dense"]
+            self.n_kv = self.model.config.text_config.num_key_value_heads
+
+    def __call__(self, s):
+        """-> ({method: answer text}, r [L, Hkv, m_v], target cells [m_v] bool, dense seconds)."""
+        from .model import MERGE
+
+        if self.engine is not None:
+            engine, meth, _ = self.engine
+            inputs = self.loaded.adapter.build_inputs(s.clip.frames, s.question)
+            t0 = time.time()
+            dense = engine.decode(self.loaded, inputs, method="dense", max_new_tokens=self.max_new_tokens,
+                                  keep_stats=True)
+            dt = time.time() - t0
+            texts = {"dense": dense.text}
+            for name in self.names[1:]:
+                res = meth.run_method(self.loaded, inputs, name, self.settings, self.max_new_tokens)
+                texts[name] = res.text
+            vis = inputs.visual_positions
+            st = dense.trace["stats"]
+            r = np.stack([st[l].relevance[:, vis].float().cpu().numpy() for l in sorted(st)])
+            t, rows, cols = inputs.grid
+        else:
+            special = self.special
+            enc = encode(s, self.tok, special, with_answer=False)
+            inp = model_inputs(enc, special)
+            t0 = time.time()
+            with torch.no_grad():
+                out = self.model.generate(**inp, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                          output_attentions=True, return_dict_in_generate=True,
+                                          eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"])
+            dt = time.time() - t0
+            gen = out.sequences[0, inp["input_ids"].shape[1]:]
+            texts = {"dense": self.tok.decode(gen, skip_special_tokens=True).strip()}
+            r = relevance(out.attentions[0], enc.vis_start, enc.n_visual, self.n_kv)
+            _, gh, gw = (int(v) for v in enc.grid_thw[0])
+            t, rows, cols = int(enc.grid_thw[0, 0]), gh // MERGE, gw // MERGE
+        from .data import target_cells
+
+        return texts, r, target_cells(s, t, rows, cols), dt
+
+
+def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), threads: int = 2,
+             progress: bool = True, max_new_tokens: int = 24, use_engine: bool = True) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(threads)
+    runner = _Runner(model_dir, methods, max_new_tokens, use_engine)
+    names = runner.names
+    acc = {m: defaultdict(list) for m in names}
+    top10_all, hit_all, rnd_all, top10_layers = [], [], [], []
+    records = []
+    t_total = 0.0
+    jobs = [(f, s) for f in frames for s in eval_samples(n, f)]
+    for f, s in tqdm(jobs, desc="toy eval", disable=not progress, mininterval=2.0):
+        texts, r, target, dt = runner(s)
+        t_total += dt
+        length = "short" if f <= SHORT_MAX else "long"
+        for m, pred in texts.items():
+            ok = normalise(pred) == normalise(s.answer)
+            acc[m]["all"].append(ok)
+            acc[m][f"type:{s.qtype}"].append(ok)
+            acc[m][f"len:{length}"].append(ok)
+            acc[m][f"frames:{f}"].append(ok)
+            acc[m][f"{length}:{s.qtype}"].append(ok)
+            if m != "dense":
+                acc[m]["same_as_dense"].append(normalise(pred) == normalise(texts["dense"]))
+            if m == "dense":
+                records.append({"frames": f, "qtype": s.qtype, "question": s.question, "answer": s.answer,
+                                "pred": pred, "ok": bool(ok)})
+        fig = attention_figures(r, target)
+        top10_all.append(fig["top10_mass"].mean()); top10_layers.append(fig["top10_mass"].mean(1))
+        hit_all.append(fig["box_hit_rate"]); rnd_all.append(fig["box_hit_rate_random"])
+
+    def summarise(d):
+        mean = lambda xs: float(np.mean(xs)) if xs else None
+        return {
+            "overall": mean(d["all"]),
+            "by_type": {q: mean(d[f"type:{q}"]) for q in QTYPES if d[f"type:{q}"]},
+            "by_length": {k.split(":", 1)[1]: mean(v) for k, v in d.items() if k.startswith("len:")},
+            "by_frames": {k.split(":", 1)[1]: mean(v) for k, v in d.items() if k.startswith("frames:")},
+            "by_length_type": {k: mean(v) for k, v in d.items() if k.split(":")[0] in ("short", "long")},
+            "n": len(d["all"]),
+            **({"same_answer_as_dense": mean(d["same_as_dense"])} if d["same_as_dense"] else {}),
+        }
+
+    return {
+        "accuracy": {m: summarise(acc[m]) for m in names},
+        "attention": {
+            "top10_mass": float(np.mean(top10_all)),
+            "top10_mass_by_layer": [float(x) for x in np.mean(top10_layers, 0)],
+            "box_hit_rate": float(np.mean(hit_all)),
+            "box_hit_rate_random": float(np.mean(rnd_all)),
+        },
+        "settings": {"model": os.path.abspath(model_dir), "n": n, "frames": list(frames),
+                     "seed_base": EVAL_SEED_BASE, "engine": runner.engine is not None,
+                     "mean_dense_s": t_total / max(1, len(jobs))},
+        "errors": [r for r in records if not r["ok"]][:20],
+    }
+
+
+def format_report(res: dict) -> str:
+    lines = []
+    for m, a in res["accuracy"].items():
+        lines.append(f"{m}: overall {a['overall']:.3f} (n={a['n']})")
+        lines.append("  by type:   " + "  ".join(f"{k} {v:.2f}" for k, v in a["by_type"].items()))
+        lines.append("  by length: " + "  ".join(f"{k} {v:.2f}" for k, v in a["by_length"].items()))
+        lines.append("  by length and type: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(a["by_length_type"].items())))
+    at = res["attention"]
+    lines.append(f"attention: top10_mass {at['top10_mass']:.3f} (by layer "
+                 + ", ".join(f"{x:.2f}" for x in at["top10_mass_by_layer"])
+                 + f"), box_hit_rate {at['box_hit_rate']:.3f} (random {at['box_hit_rate_random']:.3f})")
+    for e in res.get("errors", [])[:8]:
+        lines.append(f"  miss [{e['frames']}f {e['qtype']}] {e['question']} -> {e['pred']!r} (want {e['answer']!r})")
+    return "\n".join(lines)

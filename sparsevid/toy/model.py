@@ -1,0 +1,130 @@
+"""Config, preprocessing and prompt building for the embedded toy Qwen2-VL model.
+
+`preprocess_frames` and `build_prompt` follow transformers' Qwen2-VL video processor and chat
+template exactly (smart_resize with factor patch*merge, CLIP mean/std, temporal padding by
+repeating the last frame, patch flattening order); when ``sparsevid.adapters`` provides the
+project's own implementation it is preferred (see `_adapter_preprocess`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import torch
+
+PATCH = 8
+TEMPORAL_PATCH = 2
+MERGE = 2
+FRAME_SIZE = 96
+IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+MIN_PIXELS = 64 * 64
+MAX_PIXELS = 96 * 96
+SYSTEM = "You are a helpful assistant."
+
+PROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "resample": 3,
+    "patch_size": PATCH,
+    "temporal_patch_size": TEMPORAL_PATCH,
+    "merge_size": MERGE,
+    "image_mean": IMAGE_MEAN,
+    "image_std": IMAGE_STD,
+    "min_pixels": MIN_PIXELS,
+    "max_pixels": MAX_PIXELS,
+    "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+}
+
+
+def toy_config(vocab_size: int, special_ids: dict, hidden: int = 192, layers: int = 4,
+               vision_embed: int = 96, vision_depth: int = 3):
+    from transformers import Qwen2VLConfig
+
+    head_dim = hidden // 4
+    half = head_dim // 2
+    sec = [half // 3, half // 3, half - 2 * (half // 3)]
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=32768, rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=sec),
+            bos_token_id=special_ids["<|endoftext|>"], eos_token_id=special_ids["<|im_end|>"],
+            pad_token_id=special_ids["<|endoftext|>"], tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=vision_depth, embed_dim=vision_embed, hidden_size=hidden, num_heads=4,
+            patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE,
+            mlp_ratio=4, in_channels=3,
+        ),
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=special_ids["<|im_end|>"],
+        pad_token_id=special_ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+    """Qwen2-VL's smart_resize: both sides multiples of factor, area within [min, max]."""
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _local_preprocess(frames: np.ndarray, cfg: dict = PROCESSOR_CONFIG):
+    p, tp, m = cfg["patch_size"], cfg["temporal_patch_size"], cfg["merge_size"]
+    T, H, W, _ = frames.shape
+    rh, rw = smart_resize(H, W, p * m, cfg["min_pixels"], cfg["max_pixels"])
+    if (rh, rw) != (H, W):
+        from PIL import Image
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
+    x = torch.from_numpy(np.ascontiguousarray(frames)).float().div_(255.0)
+    x = (x - torch.tensor(cfg["image_mean"])) / torch.tensor(cfg["image_std"])
+    x = x.permute(0, 3, 1, 2)  # T C H W
+    if x.shape[0] % tp:
+        x = torch.cat([x, x[-1:].repeat(tp - x.shape[0] % tp, 1, 1, 1)], 0)
+    gt, gh, gw = x.shape[0] // tp, rh // p, rw // p
+    C = x.shape[1]
+    x = x.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    x = x.reshape(gt * gh * gw, C * tp * p * p)
+    return x, torch.tensor([[gt, gh, gw]])
+
+
+def preprocess_frames(frames: np.ndarray, cfg: dict = PROCESSOR_CONFIG):
+    """uint8 [T, H, W, 3] -> (pixel_values_videos [N, C*tp*p*p], video_grid_thw [[t, h, w]])."""
+    return _local_preprocess(frames, cfg)
+
+
+def prompt_ids(tok, question: str, n_visual: int, special: dict) -> list[int]:
+    """Token ids of the Qwen2-VL chat prompt with the video placeholder expanded to n_visual."""
+    head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+    ids = tok.encode(head, add_special_tokens=False)
+    ids += [special["<|vision_start|>"]] + [special["<|video_pad|>"]] * n_visual + [special["<|vision_end|>"]]
+    ids += tok.encode(f"{question}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    return ids
+
+
+def save_processor_config(out_dir: str) -> None:
+    with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+        json.dump(PROCESSOR_CONFIG, f, indent=2)

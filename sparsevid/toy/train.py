@@ -1,0 +1,271 @@
+"""Train the embedded toy Qwen2-VL from scratch on procedural clips.
+
+Stage 1: vision tower alone, per-visual-token auxiliary loss (colour, shape, direction of the
+object under each merged token, and the clip third the token's frames lie in) through a
+temporary linear head on the merged visual tokens.
+Stage 2: answer training (cross-entropy on the answer tokens) with the auxiliary loss kept on,
+the vision tower trainable, and a grounding loss on the attention of KV group 0's query heads in
+layers 1.. that asks the answer-producing positions to put their visual attention on the asked
+object's tokens. Single-object clips early (curriculum), short clips mostly.
+Stage 3: the same, with long clips (48-256 frames) mixed in.
+The auxiliary heads are dropped: the saved folder is a plain Qwen2-VL checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .clips import COLOURS, DIRECTIONS, SHAPES
+from .data import collate, encode
+from .model import save_processor_config, toy_config
+from .questions import QTYPES, corpus, make_sample
+from .tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+
+TRAIN_SEED_RANGE = 1_000_000_000  # training clip seeds are < this; evaluation uses seeds above
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    hidden: int = 192
+    layers: int = 4
+    vision_embed: int = 96
+    vision_depth: int = 1
+    stage1_steps: int = 1500
+    stage2_steps: int = 1300
+    stage3_steps: int = 350
+    short_tokens: int = 2600  # visual tokens per batch for short clips
+    long_tokens: int = 2400  # visual tokens per batch for long clips
+    lr: float = 1.5e-3
+    lr1: float = 1e-3
+    vision_zero_init: bool = False  # zero-init the vision blocks' residual branches (measured: no gain)
+    warmup: int = 100
+    aux_weight: float = 1.0
+    att_weight: float = 0.5
+    long_prob: float = 0.5  # share of stage-3 steps with long clips
+    single_start: float = 0.6  # probability of a single-object clip at the start of stage 2
+    single_end: float = 0.15
+    ckpt_every: int = 300
+    threads: int = 2
+    short_frames: tuple = (8, 16, 32)
+    short_probs: tuple = (0.5, 0.4, 0.1)
+    long_frames: tuple = (48, 64, 96, 128, 192, 256)
+
+
+TINY = dict(stage1_steps=2, stage2_steps=2, stage3_steps=1, short_tokens=300, long_tokens=900,
+            ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
+
+
+class AuxHeads(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.colour = torch.nn.Linear(hidden, len(COLOURS) + 1)
+        self.shape = torch.nn.Linear(hidden, len(SHAPES) + 1)
+        self.direction = torch.nn.Linear(hidden, len(DIRECTIONS) + 1)
+        self.phase = torch.nn.Linear(hidden, 3)
+
+    def forward(self, v: torch.Tensor, aux: torch.Tensor):
+        losses, accs = [], []
+        for k, head in enumerate([self.colour, self.shape, self.direction]):
+            logits = head(v)
+            y = aux[:, k]
+            # weight object tokens up: they are few
+            w = torch.where(y > 0, 4.0, 1.0)
+            losses.append((F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum())
+            obj = y > 0
+            accs.append(((logits.argmax(-1) == y) & obj).sum().item() / max(1, obj.sum().item()))
+        lp = self.phase(v)
+        losses.append(F.cross_entropy(lp, aux[:, 3]))
+        accs.append((lp.argmax(-1) == aux[:, 3]).float().mean().item())
+        return sum(losses) / len(losses), accs
+
+
+def build_tokenizer_and_model(cfg: TrainConfig):
+    from transformers import PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
+
+    tok_obj = train_tokenizer(corpus())
+    special = {t: tok_obj.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok_obj, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    vocab = int(math.ceil(tok_obj.get_vocab_size() / 64) * 64)
+    mcfg = toy_config(vocab, special, hidden=cfg.hidden, layers=cfg.layers,
+                      vision_embed=cfg.vision_embed, vision_depth=cfg.vision_depth)
+    torch.manual_seed(cfg.seed)
+    model = Qwen2VLForConditionalGeneration._from_config(
+        mcfg, attn_implementation={"text_config": "eager", "vision_config": "sdpa", "": "eager"})
+    if cfg.vision_zero_init:
+        # Residual branches of the vision blocks start at zero (each block is the identity at
+        # init). With the default init the blocks' near-uniform attention mixes every patch with
+        # the whole frame and the per-token motion and shape cues took far longer to learn.
+        with torch.no_grad():
+            for b in model.model.visual.blocks:
+                for lin in (b.attn.proj, b.mlp.fc2):
+                    lin.weight.zero_()
+                    lin.bias.zero_()
+    return tok_obj, tok, special, model
+
+
+def _batch_spec(rng, cfg: TrainConfig, stage: int, frac: float):
+    """(n_frames, batch size, single-object probability) for one step."""
+    if stage == 3 and rng.random() < cfg.long_prob:
+        T = int(rng.choice(cfg.long_frames))
+        bs = max(1, cfg.long_tokens // (T // 2 * 36))
+        return T, bs, 0.0
+    T = int(rng.choice(cfg.short_frames, p=np.array(cfg.short_probs) / sum(cfg.short_probs)))
+    bs = max(1, cfg.short_tokens // (T // 2 * 36))
+    p1 = cfg.single_start + (cfg.single_end - cfg.single_start) * min(1.0, frac * 2) if stage == 2 else 0.3
+    if stage == 3:
+        p1 = cfg.single_end
+    return T, bs, p1
+
+
+def _samples(rng, T, bs, p1):
+    out = []
+    for _ in range(bs):
+        seed = int(rng.integers(0, TRAIN_SEED_RANGE))
+        qtype = QTYPES[int(rng.integers(0, len(QTYPES)))]
+        n_obj = 1 if rng.random() < p1 else None
+        if qtype == "count" and n_obj == 1 and rng.random() < 0.7:
+            n_obj = None
+        out.append(make_sample(seed, T, qtype, n_objects=n_obj))
+    return out
+
+
+def grounding_loss(attns, encs, layers_from: int = 1, heads=(0, 1)):
+    """-log(share of the answer rows' visual attention that lands on the asked object's tokens)."""
+    losses = []
+    for b, e in enumerate(encs):
+        rows = torch.arange(e.prompt_len - 3, len(e.input_ids) - 1)
+        tgt = torch.from_numpy(e.target).float()
+        if tgt.sum() == 0:
+            continue
+        for l in range(layers_from, len(attns)):
+            a = attns[l][b, list(heads)][:, rows, e.vis_start:e.vis_start + e.n_visual]
+            share = (a * tgt).sum(-1) / (a.sum(-1) + 1e-9)
+            losses.append(-torch.log(share + 1e-6).mean())
+    if not losses:
+        return torch.zeros(())
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def quick_val(model, tok, special, n_per=6, frames=16, seed_base=1_500_000_000):
+    """Teacher-forced exact answer rate on fixed validation clips (not the held-out eval seeds)."""
+    model.eval()
+    hits = {q: 0 for q in QTYPES}
+    for qi, q in enumerate(QTYPES):
+        encs = [encode(make_sample(seed_base + qi * 1000 + i, frames, q), tok, special) for i in range(n_per)]
+        batch = collate(encs, special["<|endoftext|>"], special["<|video_pad|>"])
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        pred = logits[:, :-1].argmax(-1)
+        lab = batch["labels"][:, 1:]
+        ok = ((pred == lab) | (lab == -100)).all(-1)
+        hits[q] = ok.float().mean().item()
+    model.train()
+    return hits
+
+
+def save_model(model, tok_obj, out_dir: str, cfg: TrainConfig, extra: dict | None = None) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    model.config._attn_implementation = "sdpa"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model.config._attn_implementation = "eager"
+    save_tokenizer(tok_obj, out_dir)
+    save_processor_config(out_dir)
+    info = {"train_config": asdict(cfg), **(extra or {})}
+    with open(os.path.join(out_dir, "toy_training.json"), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    tok_obj, tok, special, model = build_tokenizer_and_model(cfg)
+    aux = AuxHeads(cfg.hidden)
+    model.train()
+    grab = {}
+    hook = model.model.visual.merger.register_forward_hook(lambda m, i, o: grab.__setitem__("v", o))
+    pad, vid = special["<|endoftext|>"], special["<|video_pad|>"]
+    total = cfg.stage1_steps + cfg.stage2_steps + cfg.stage3_steps
+    bar = tqdm(total=total, desc="toy train", disable=not progress, mininterval=2.0)
+    hist = []
+
+    # ---- stage 1: vision tower + aux head
+    params1 = list(model.model.visual.parameters()) + list(aux.parameters())
+    opt1 = torch.optim.AdamW(params1, lr=cfg.lr1, weight_decay=0.01)
+    for step in range(cfg.stage1_steps):
+        rng = np.random.default_rng([cfg.seed, 1, step])
+        T, bs, p1 = _batch_spec(rng, cfg, 1, 0.0)
+        encs = [encode(s, tok, special, with_answer=False) for s in _samples(rng, T, bs, 0.3)]
+        pv = torch.cat([e.pixel_values for e in encs]); thw = torch.cat([e.grid_thw for e in encs])
+        lr = cfg.lr1 * min(1.0, (step + 1) / cfg.warmup)
+        for g in opt1.param_groups:
+            g["lr"] = lr
+        v = model.model.visual(pv, grid_thw=thw).pooler_output
+        la, accs = aux(v, torch.from_numpy(np.concatenate([e.aux for e in encs])))
+        la.backward()
+        torch.nn.utils.clip_grad_norm_(params1, 1.0)
+        opt1.step(); opt1.zero_grad(set_to_none=True)
+        hist.append({"stage": 1, "step": step, "aux": la.item(), "acc": accs})
+        bar.update(1)
+        if step % log_every == 0:
+            bar.set_postfix(stage=1, aux=f"{la.item():.3f}", col=f"{accs[0]:.2f}", shp=f"{accs[1]:.2f}",
+                            dir=f"{accs[2]:.2f}", ph=f"{accs[3]:.2f}")
+            print(f"[s1 {step}] aux {la.item():.4f} acc c/s/d/p {accs} t={time.time()-t0:.0f}s", flush=True)
+
+    # ---- stages 2 and 3: everything
+    params = list(model.parameters()) + list(aux.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    n23 = cfg.stage2_steps + cfg.stage3_steps
+    ema = None
+    for k in range(n23):
+        stage = 2 if k < cfg.stage2_steps else 3
+        frac = k / max(1, cfg.stage2_steps)
+        rng = np.random.default_rng([cfg.seed, stage, k])
+        T, bs, p1 = _batch_spec(rng, cfg, stage, frac)
+        encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
+        batch = collate(encs, pad, vid)
+        warm = min(1.0, (k + 1) / cfg.warmup)
+        lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n23)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        out = model(**batch, output_attentions=True)
+        la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
+        lg = grounding_loss(out.attentions, encs)
+        loss = out.loss + cfg.aux_weight * la + cfg.att_weight * lg
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        rec = {"stage": stage, "step": k, "T": T, "lm": out.loss.item(), "aux": la.item(), "att": lg.item()}
+        hist.append(rec)
+        ema = rec if ema is None else {kk: (0.95 * ema[kk] + 0.05 * rec[kk]) if kk in ("lm", "aux", "att") else rec[kk] for kk in rec}
+        bar.update(1)
+        if k % log_every == 0:
+            bar.set_postfix(stage=stage, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
+            print(f"[s{stage} {k}] T={T} bs={bs} lm {ema['lm']:.4f} aux {ema['aux']:.4f} att {ema['att']:.4f} "
+                  f"acc {[round(a, 2) for a in accs]} lr {lr:.2e} t={time.time()-t0:.0f}s", flush=True)
+        if cfg.ckpt_every and (k + 1) % cfg.ckpt_every == 0:
+            val = quick_val(model, tok, special)
+            print(f"[val {k}] {val} t={time.time()-t0:.0f}s", flush=True)
+            save_model(model, tok_obj, os.path.join(out_dir, "checkpoint"), cfg, {"step": k, "val": val})
+    bar.close()
+    hook.remove()
+    dur = time.time() - t0
+    last = [h for h in hist if h["stage"] != 1][-50:]
+    final = {kk: float(np.mean([h[kk] for h in last])) for kk in ("lm", "aux", "att")} if last else {}
+    val = quick_val(model, tok, special) if n23 > 10 else {}
+    info = {"duration_s": round(dur, 1), "final_loss": final, "val": val, "steps": total}
+    save_model(model, tok_obj, out_dir, cfg, info)
+    import shutil
+
+    shutil.rmtree(os.path.join(out_dir, "checkpoint"), ignore_errors=True)  # keep the folder a plain checkpoint
+    print(f"done in {dur:.0f}s final {final} val {val}", flush=True)
+    return info

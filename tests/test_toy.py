@@ -1,0 +1,165 @@
+"""Embedded toy model: clip generator, questions, the shipped checkpoint, a training smoke run."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from sparsevid.toy import DEFAULT_MODEL_DIR
+from sparsevid.toy.clips import BAR_H, COLOURS, RGB, SHAPES, make_clip
+from sparsevid.toy.questions import NUMBERS, QTYPES, make_sample, normalise
+
+EXAMPLES_DIR = os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "examples")
+
+
+@pytest.mark.parametrize("frames", [8, 16, 256])
+def test_generator_is_deterministic(frames):
+    a, b = make_clip(123, frames), make_clip(123, frames)
+    assert a.frames.dtype == np.uint8 and a.frames.shape == (frames, 96, 96, 3)
+    assert np.array_equal(a.frames, b.frames)
+    assert [o.to_dict() for o in a.objects] == [o.to_dict() for o in b.objects]
+    for oa, ob in zip(a.objects, b.objects):
+        assert np.array_equal(oa.boxes, ob.boxes)
+    assert not np.array_equal(a.frames, make_clip(124, frames).frames)
+
+
+@pytest.mark.parametrize("seed,frames", [(s, f) for s in range(6) for f in (8, 16, 32)] + [(0, 256), (1, 256)])
+def test_boxes_cover_the_drawn_object(seed, frames):
+    clip = make_clip(seed, frames)
+    T, H, W = clip.frames.shape[:3]
+    assert clip.objects
+    assert len({o.colour for o in clip.objects}) == len(clip.objects)
+    assert len({o.shape for o in clip.objects}) == len(clip.objects)
+    for o in clip.objects:
+        for t in range(T):
+            mask = clip.idmap[t] == o.id
+            x0, y0, x1, y1 = o.boxes[t]
+            if not mask.any():
+                assert x0 == -1
+                continue
+            ys, xs = np.nonzero(mask)
+            # tight: the box is exactly the extent of the drawn pixels
+            assert (x0, y0, x1, y1) == (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+            assert 0 <= x0 < x1 <= W and 0 <= y0 < y1 <= H - BAR_H
+            # and those pixels carry the object's colour
+            px = clip.frames[t][mask].astype(int)
+            assert np.abs(px - np.array(RGB[o.colour])).max() <= 13
+        vis = np.nonzero(o.boxes[:, 0] >= 0)[0]
+        assert vis[0] == o.start and vis[-1] + 1 == o.end and len(vis) == o.end - o.start
+        if frames > 32:
+            assert o.end - o.start <= 32  # long clips: each object only in a short segment
+
+
+def _centre(box):
+    return ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_answers_match_clip_metadata(qtype):
+    for seed in range(12):
+        for frames in (16, 64):
+            s = make_sample(seed, frames, qtype)
+            assert s.qtype == qtype
+            if qtype == "count":
+                assert s.obj_id is None and s.answer == NUMBERS[len(s.clip.objects)]
+                continue
+            o = s.clip.obj(s.obj_id)
+            q = s.question.lower()
+            assert o.colour in q or o.shape in q  # the question names the asked object
+            if qtype == "colour":
+                assert s.answer == o.colour and o.shape in q and not any(c in q for c in COLOURS)
+            elif qtype == "shape":
+                assert s.answer == o.shape and o.colour in q and not any(sh in q for sh in SHAPES)
+            elif qtype == "direction":
+                (ax, ay), (bx, by) = _centre(o.boxes[o.start]), _centre(o.boxes[o.end - 1])
+                dx, dy = bx - ax, by - ay
+                want = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+                assert s.answer == want
+            elif qtype == "when":
+                assert not o.full
+                mid = (o.start + o.end) / 2 / frames
+                assert s.answer == ["beginning", "middle", "end"][min(2, int(mid * 3))]
+                # the whole segment lies inside that third
+                assert int(3 * (o.start + 0.5) / frames) == int(3 * (o.end - 0.5) / frames)
+            elif qtype == "describe":
+                assert s.answer.startswith(f"The {o.colour} {o.shape} moves ")
+                assert len(s.answer.split()) >= 12
+            boxes = s.boxes(normalised=True)
+            assert len(boxes) == frames
+            assert all(b is None or (0 <= b[0] < b[2] <= 1 and 0 <= b[1] < b[3] <= 1) for b in boxes)
+
+
+def _shipped():
+    if not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")):
+        pytest.skip("the toy model has not been trained into assets/ yet")
+
+
+def test_shipped_model_folder_is_a_standard_checkpoint():
+    _shipped()
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert os.path.getsize(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")) < 25 * 2**20
+    cfg = AutoConfig.from_pretrained(DEFAULT_MODEL_DIR)
+    assert cfg.model_type == "qwen2_vl"
+    with safe_open(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert not [k for k in keys if "aux" in k]
+    with open(os.path.join(DEFAULT_MODEL_DIR, "preprocessor_config.json")) as f:
+        pre = json.load(f)
+    for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "min_pixels", "max_pixels"):
+        assert k in pre
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
+              "<|video_pad|>", "<|image_pad|>"):
+        assert tok.convert_tokens_to_ids(t) != tok.unk_token_id
+        assert len(tok(t, add_special_tokens=False)["input_ids"]) == 1
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Hi"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert "<|vision_start|><|video_pad|><|vision_end|>Hi<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_shipped_model_answers_a_bundled_example():
+    _shipped()
+    path = os.path.join(EXAMPLES_DIR, "examples.json")
+    if not os.path.exists(path):
+        pytest.skip("no bundled examples yet")
+    import torch
+
+    from sparsevid.toy.evaluate import load_toy
+    from sparsevid.toy.examples import answer, read_video
+
+    with open(path) as f:
+        ex = json.load(f)[0]
+    frames = read_video(os.path.join(EXAMPLES_DIR, ex["file"]))
+    assert len(frames) == ex["frames"] == len(ex["boxes"])
+    torch.set_num_threads(1)
+    tok, model, special = load_toy(DEFAULT_MODEL_DIR, attn="sdpa")
+    assert normalise(answer(model, tok, special, frames, ex["question"])) == normalise(ex["answer"])
+
+
+def test_training_runs_end_to_end_on_tiny_settings(tmp_path):
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from sparsevid.toy.train import TINY, TrainConfig, train
+
+    cfg = replace(TrainConfig(seed=1, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2), **TINY)
+    info = train(cfg, str(tmp_path / "m"), progress=False)
+    assert np.isfinite(info["final_loss"]["lm"])
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "m"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    assert model.config.text_config.num_hidden_layers == 2
+    assert tok.convert_tokens_to_ids("<|video_pad|>") == model.config.video_token_id
+    torch.set_num_threads(1)
+    s = make_sample(3, 8, "colour")
+    from sparsevid.toy.examples import answer
+
+    special = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|video_pad|>", "<|vision_end|>",
+                                                         "<|im_end|>", "<|endoftext|>")}
+    assert isinstance(answer(model, tok, special, s.clip.frames, s.question, max_new_tokens=3), str)
