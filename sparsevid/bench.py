@@ -53,27 +53,29 @@ def bench_main(args) -> int:
     settings = settings_from(args)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
     frame_counts = [int(f) for f in str(args.frames).split(",")]
+    decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
     bar = tqdm(total=len(frame_counts) * len(names) * args.repeats, desc="bench", file=sys.stderr)
     for F in frame_counts:
         frames, question, _ = bench_clip(F, args.video, args.question)
         inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
-        run_method(loaded, inputs, "dense", settings, args.max_new_tokens)  # warm-up
+        run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)  # warm-up
         for name in names:
             per = []
             for _ in range(args.repeats):
-                dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, Sampling())
-                res = run_method(loaded, inputs, name, settings, args.max_new_tokens, Sampling())
+                dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+                res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
                 add_ratios(res, dense, inputs, loaded)
                 per.append(res.extra)
                 bar.update()
-            row = dict(frames=F, visual_tokens=inputs.m_v, method=name)
+            row = dict(frames=F, visual_tokens=inputs.m_v, method=name, tokens=len(res.token_ids))
             row.update({f: _median([p.get(f) for p in per]) for f in ROW_FIELDS})
             rows.append(row)
     bar.close()
     if args.json:
         print(json.dumps(dict(model=loaded.name, device=str(loaded.device), gamma=settings.gamma, k=settings.k,
-                              repeats=args.repeats, rows=rows)))
+                              repeats=args.repeats, ignore_eos=args.ignore_eos, threads=torch.get_num_threads(),
+                              rows=rows)))
     else:
         print(format_table(rows))
     return 0

@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="mechanical benchmark at a real model's shape, e.g. qwen2-vl-7b")
     p.add_argument("--visual-tokens", default="4096,16384,32768", help="for --shape")
     p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
+    p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -20,11 +20,18 @@ from .models import Loaded
 
 @dataclass
 class Sampling:
-    """Greedy when temperature == 0; else temperature + nucleus (top_p) sampling from `seed`."""
+    """Greedy when temperature == 0; else temperature + nucleus (top_p) sampling from `seed`.
+
+    ignore_eos: decode exactly max_new_tokens (benchmarks of fixed length, as serving benchmarks do).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    ignore_eos: bool = False
+
+    def eos(self, loaded) -> set[int]:
+        return set() if self.ignore_eos else set(loaded.adapter.eos_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -125,7 +132,7 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
            keep_stats: bool = False) -> Result:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only)."""
     dev = loaded.device
-    eos = set(loaded.adapter.eos_token_ids)
+    eos = sampling.eos(loaded)
     run = new_run(loaded, inputs, max_new_tokens + 1, policy, store_dense=policy is None, keep_stats=keep_stats)
     gen = sampling.generator(dev)
     sync(dev)

@@ -109,7 +109,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
                        max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                        on_token: Callable[[int], None] | None = None) -> Result:
     dev = loaded.device
-    eos = set(loaded.adapter.eos_token_ids)
+    eos = sampling.eos(loaded)
     run = new_run(loaded, inputs, max_new_tokens + gamma + 2, draft.policy, store_dense=True)
     gen = sampling.generator(dev)
     sync(dev)
