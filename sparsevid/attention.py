@@ -94,8 +94,8 @@ def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_star
     probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1)  # [Hkv, G, r, m]
     relevance = probs[:, :, qs - start:].mean(2).sum(1)
     win = probs[:, :, r - window:].mean(2).mean(1) if window else None
-    norms = query[0].float().norm(dim=-1)  # [H, m]
-    return LayerStats(relevance, win, norms[:, -1], norms[:, qs:].mean(-1))
+    norms = query[0, :, qs:].float().norm(dim=-1)  # [H, m - qs]: the query tokens, the last one included
+    return LayerStats(relevance, win, norms[:, -1], norms.mean(-1))
 
 
 def _route_prefill_rows(out, query, key, value, scale, sel: LayerSelection, start: int):
@@ -110,11 +110,11 @@ def _route_prefill_rows(out, query, key, value, scale, sel: LayerSelection, star
     if sel.query_mask is not None:
         allowed &= sel.query_mask.to(query.device)
     causal = torch.arange(m, device=query.device)[None, :] <= torch.arange(start, m, device=query.device)[:, None]
-    mask = allowed[:, None, :] & causal[None]  # [H, r, m]
-    k = key.repeat_interleave(G, 1)
-    v = value.repeat_interleave(G, 1)
-    rows = F.scaled_dot_product_attention(query[:, :, start:], k, v, attn_mask=mask[None], scale=scale)
-    rows = torch.nan_to_num(rows)  # a head allowed no key at all contributes nothing
+    r = m - start
+    mask = (allowed[:, None, :] & causal[None]).view(1, Hkv, G * r, m)  # a group's heads folded into rows
+    rows = F.scaled_dot_product_attention(query[:, :, start:].reshape(1, Hkv, G * r, D), key, value,
+                                          attn_mask=mask, scale=scale)
+    rows = torch.nan_to_num(rows).view(1, H, r, D)  # a head allowed no key at all contributes nothing
     if sel.head_scale is not None:
         rows = rows * sel.head_scale.to(rows.device, rows.dtype).view(1, H, 1, 1)
     out[:, start:] = rows.transpose(1, 2)

@@ -3,12 +3,14 @@
     python -m sparsevid.htsparse_ablation --n 20 --frames 16,256 \
         --configs "variant=ht,head,token;layers=early,mid,late,mid+late"
 
-Each `--configs` axis is `field=v1,v2,...` (fields of `methods.Settings` without the `ht_` prefix
-where it has one: variant, layers, eta, l_v, tau, heads_full, heads_sparse, drop_mode, summary);
-every combination runs as the `htsparse` method beside one dense run per clip (same process,
-same inputs). A row: accuracy (exact answer, as `python -m sparsevid.toy eval`), and the medians
-over clips of decode KV %, KV held at the end (kv_ratio), end-to-end latency %, prefill / decode
-FLOPs % and peak memory % against dense (`htsparse.htsparse_figures`).
+Each `--configs` axis is `field=v1,v2,...`: a field of `methods.Settings`, without its `ht_`
+prefix where it has one (variant, layers, eta, l_v, tau, heads_full, heads_sparse, drop_mode,
+summary, by_group); axes are joined by `;` into a cartesian product, products by `|`. Every
+combination runs as the `htsparse` method beside dense on each clip (same process, same inputs).
+A row: accuracy (exact answer, as `python -m sparsevid.toy eval`), the share of clips answered
+token for token as dense did, and medians over clips of decode KV %, KV held at the end
+(kv_ratio), end-to-end latency % (all clips, and long clips only), prefill / decode FLOPs % and
+peak memory % against dense (`htsparse.htsparse_figures`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 FIGS = ("decode_kv_pct", "kv_ratio", "latency_pct", "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct",
         "prefill_kv_pct")
-ALIASES = {"variant": "ht_variant", "layers": "ht_layers", "summary": "ht_summary"}
+ALIASES = {"variant": "ht_variant", "layers": "ht_layers", "summary": "ht_summary", "by_group": "ht_by_group"}
 
 
 def parse_value(v: str):
-    if v in ("None", "none"):
-        return None
+    if v.lower() in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[v.lower()]
     for cast in (int, float):
         try:
             return cast(v)
@@ -41,7 +43,10 @@ def parse_value(v: str):
 
 
 def parse_configs(spec: str) -> list[dict]:
-    """'variant=ht,head;eta=0.7,0.8' -> the cartesian product as a list of Settings overrides."""
+    """'variant=ht,head;eta=0.7,0.8' -> the cartesian product as a list of Settings overrides;
+    several products joined by '|' run one after the other."""
+    if "|" in spec:
+        return [c for part in spec.split("|") for c in parse_configs(part)]
     axes = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         key, values = part.split("=", 1)
@@ -63,7 +68,7 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
     loaded = load_model(model, device="cpu", dtype="float32")
     base = Settings()
     settings = [replace(base, **c) for c in configs]
-    rows = [dict(config=c, ok=[], length=[], figs={k: [] for k in FIGS}) for c in configs]
+    rows = [dict(config=c, ok=[], same=[], figs={k: [] for k in FIGS}) for c in configs]
     dense_ok, lengths = [], []
     jobs = [(f, s) for f in frames for s in eval_samples(n, f)]
     for f, s in tqdm(jobs, desc="htsparse ablation", disable=not progress, file=sys.stderr):
@@ -71,10 +76,15 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
         dense = run_method(loaded, inputs, "dense", base, max_new_tokens)
         dense_ok.append(normalise(dense.text) == normalise(s.answer))
         lengths.append("short" if f <= SHORT_MAX else "long")
-        for row, st in zip(rows, settings):
-            res = run_method(loaded, inputs, "htsparse", st, max_new_tokens)
+        results = [run_method(loaded, inputs, "htsparse", st, max_new_tokens) for st in settings]
+        # dense again after the configs: the first run on a clip tends to be the fastest, so the
+        # latency reference is the mean of a dense run before and one after
+        dense_s = (dense.total_s + run_method(loaded, inputs, "dense", base, max_new_tokens).total_s) / 2
+        for row, res in zip(rows, results):
             add_ratios(res, dense, inputs, loaded)
+            res.extra["latency_pct"] = 100 * res.total_s / dense_s
             row["ok"].append(normalise(res.text) == normalise(s.answer))
+            row["same"].append(res.token_ids == dense.token_ids)
             for k in FIGS:
                 v = res.extra.get(k)
                 row["figs"][k].append(100 * v if k == "kv_ratio" else v)
@@ -86,20 +96,24 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
     out = [dict(config="dense", accuracy=acc(dense_ok), short=acc(dense_ok, "short"), long=acc(dense_ok, "long"))]
     for row in rows:
         r = dict(config=row["config"], accuracy=acc(row["ok"]), short=acc(row["ok"], "short"),
-                 long=acc(row["ok"], "long"))
+                 long=acc(row["ok"], "long"), same_as_dense=acc(row["same"]))
         r.update({k: round(statistics.median(v), 1) for k, v in row["figs"].items() if v})
+        for length in ("short", "long"):  # fixed per-layer costs weigh more on short clips
+            v = [x for x, ln in zip(row["figs"]["latency_pct"], lengths) if ln == length]
+            r[f"latency_pct_{length}"] = round(statistics.median(v), 1) if v else None
         out.append(r)
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["config", "acc %", "short", "long", "decode KV %", "KV end %", "latency %", "prefill FLOPs %",
-            "decode FLOPs %", "peak mem %"]
+    head = ["config", "acc %", "short", "long", "same as dense %", "decode KV %", "KV end %", "latency %",
+            "latency % long clips", "prefill FLOPs %", "decode FLOPs %", "peak mem %"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cfg = r["config"] if isinstance(r["config"], str) else " ".join(f"{k}={v}" for k, v in r["config"].items())
-        vals = [r.get(k) for k in ("accuracy", "short", "long", "decode_kv_pct", "kv_ratio", "latency_pct",
-                                   "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct")]
+        vals = [r.get(k) for k in ("accuracy", "short", "long", "same_as_dense", "decode_kv_pct", "kv_ratio",
+                                   "latency_pct", "latency_pct_long", "prefill_flops_pct", "decode_flops_pct",
+                                   "peak_memory_pct")]
         lines.append("| " + " | ".join([cfg or "defaults"] + ["" if v is None else f"{v:g}" for v in vals]) + " |")
     return "\n".join(lines)
 

@@ -43,7 +43,7 @@ class Settings:
     # SparseMM (SPEC §3.3)
     budget: int | None = None
     window: int = 32
-    rho: float = 0.1
+    rho: float = 0.5  # SPEC/paper: 0.1; 0.5 chosen on the embedded model (sparsemm.py)
     extra: dict = field(default_factory=dict)
 
 

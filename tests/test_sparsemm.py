@@ -81,6 +81,26 @@ def test_snapkv_keep_window_and_top_positions():
     assert keep[1][-4:].tolist() == [16, 17, 18, 19]
 
 
+def test_observation_rows_stay_out_of_the_video():
+    from types import SimpleNamespace
+
+    from sparsevid.attention import LayerStats
+
+    m, w = 40, 8
+    window, relevance = torch.zeros(2, m), torch.zeros(2, m)
+    window[:, 20:25] = torch.tensor([1.0, 2, 3, 2, 1])  # last-w rows, some of them visual tokens, like 22
+    relevance[:, 5:10] = torch.tensor([1.0, 2, 3, 2, 1])  # the query tokens (36..39) like 7
+    stats = LayerStats(relevance, window, torch.ones(4), torch.ones(4))
+    run = SimpleNamespace(query_start=36)  # 4 query tokens < w
+    hs = S.HeadScores.uniform(1, 4, 2)
+    query = S.SparseMM(hs, budget=w + 1, window=w).select(0, stats, run)
+    assert [k.tolist() for k in query.keep] == [[7] + list(range(32, 40))] * 2
+    plain = S.SparseMM(hs, budget=w + 1, window=w, observe="window").select(0, stats, run)
+    assert [k.tolist() for k in plain.keep] == [[22] + list(range(32, 40))] * 2
+    run.query_start = 30  # 10 query tokens >= w: SnapKV's last-w rows either way
+    assert S.SparseMM(hs, budget=w + 1, window=w).select(0, stats, run).keep[0].tolist()[0] == 22
+
+
 # ---- calibration ----------------------------------------------------------------------------------
 
 
