@@ -114,18 +114,8 @@ def qwen2vl_preprocess(frames: np.ndarray, patch_size=14, temporal_patch_size=2,
 
 def read_json(name_or_dir: str, filename: str) -> dict | None:
     """A JSON file of a model folder or (cached) hub repo, or None if it has none."""
-    if os.path.isdir(name_or_dir):
-        path = os.path.join(name_or_dir, filename)
-        if not os.path.exists(path):
-            return None
-    else:
-        from transformers.utils import cached_file
-
-        path = cached_file(name_or_dir, filename, _raise_exceptions_for_missing_entries=False)
-        if path is None:
-            return None
-    with open(path) as f:
-        return json.load(f)
+    text = read_text(name_or_dir, filename)
+    return None if text is None else json.loads(text)
 
 
 class Adapter:

@@ -642,6 +642,8 @@ def add_cli(sub) -> None:
     p.add_argument("--source", choices=("auto", "text", "toy"), default="auto",
                    help="rendered text images, the embedded model's clips, or auto (toy for the embedded model)")
     p.add_argument("--out", default=None, help="output file (default: the cache file keyed by model and revision)")
+    p.add_argument("--ship", action="store_true",
+                   help="write to assets/visual_heads/ (shipped with the project) instead of the user cache")
     p.add_argument("--force", action="store_true", help="recalibrate even if the file exists")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true")
@@ -653,6 +655,8 @@ def calibrate_main(args) -> int:
 
     loaded = load_model(args.model, args.device, args.dtype)
     source = {"text": TextImages(), "toy": ToyClips()}.get(args.source)
+    if args.ship and not args.out:
+        args.out = os.path.join(SHIPPED_DIR, model_key(loaded) + ".json")
     with warnings.catch_warnings():  # the summary below says it, without a source line
         warnings.simplefilter("ignore", RuntimeWarning)
         hs = calibrate(loaded, samples=args.samples, progress=not (args.quiet or args.json), out=args.out,

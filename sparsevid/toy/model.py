@@ -1,14 +1,12 @@
 """Config, preprocessing and prompt building for the embedded toy Qwen2-VL model.
 
-`preprocess_frames` and `build_prompt` follow transformers' Qwen2-VL video processor and chat
-template exactly (smart_resize with factor patch*merge, CLIP mean/std, temporal padding by
-repeating the last frame, patch flattening order); when ``sparsevid.adapters`` provides the
-project's own implementation it is preferred (see `_adapter_preprocess`).
+`preprocess_frames` is the project's Qwen2-VL preprocessing (`adapters.qwen2vl_preprocess`) with
+the toy model's processor config, so training sees exactly what inference sees; `prompt_ids`
+builds the same chat prompt as the adapter.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -76,44 +74,13 @@ def toy_config(vocab_size: int, special_ids: dict, hidden: int = 192, layers: in
     )
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
-    """Qwen2-VL's smart_resize: both sides multiples of factor, area within [min, max]."""
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def _local_preprocess(frames: np.ndarray, cfg: dict = PROCESSOR_CONFIG):
-    p, tp, m = cfg["patch_size"], cfg["temporal_patch_size"], cfg["merge_size"]
-    T, H, W, _ = frames.shape
-    rh, rw = smart_resize(H, W, p * m, cfg["min_pixels"], cfg["max_pixels"])
-    if (rh, rw) != (H, W):
-        from PIL import Image
-        frames = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC)) for f in frames])
-    x = torch.from_numpy(np.ascontiguousarray(frames)).float().div_(255.0)
-    x = (x - torch.tensor(cfg["image_mean"])) / torch.tensor(cfg["image_std"])
-    x = x.permute(0, 3, 1, 2)  # T C H W
-    if x.shape[0] % tp:
-        x = torch.cat([x, x[-1:].repeat(tp - x.shape[0] % tp, 1, 1, 1)], 0)
-    gt, gh, gw = x.shape[0] // tp, rh // p, rw // p
-    C = x.shape[1]
-    x = x.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    x = x.reshape(gt * gh * gw, C * tp * p * p)
-    return x, torch.tensor([[gt, gh, gw]])
-
-
 def preprocess_frames(frames: np.ndarray, cfg: dict = PROCESSOR_CONFIG):
-    """uint8 [T, H, W, 3] -> (pixel_values_videos [N, C*tp*p*p], video_grid_thw [[t, h, w]])."""
-    return _local_preprocess(frames, cfg)
+    """uint8 [T, H, W, 3] -> (pixel_values_videos [N, C*tp*p*p], video_grid_thw [[t, h, w]]),
+    through the project's Qwen2-VL preprocessing (the same the adapter applies at inference)."""
+    from ..adapters import qwen2vl_preprocess
+
+    keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std")
+    return qwen2vl_preprocess(frames, **{k: cfg[k] for k in keys})
 
 
 def prompt_ids(tok, question: str, n_visual: int, special: dict) -> list[int]:
