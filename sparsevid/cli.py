@@ -30,7 +30,10 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tau", type=float, default=None)
     p.add_argument("--eta", type=float, default=None)
     p.add_argument("--ht-layers", default=None, help="early, mid, late or mid+late")
-    p.add_argument("--budget", type=int, default=None, help="SparseMM average KV budget per head")
+    p.add_argument("--budget", type=_num, default=None,
+                   help="SparseMM average KV budget per head: count, or fraction <= 1 of the prompt")
+    p.add_argument("--window", type=int, default=None, help="SparseMM local window w")
+    p.add_argument("--rho", type=float, default=None, help="SparseMM uniform floor share (paper 0.1; default 0.5)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -44,7 +47,8 @@ def settings_from(args):
     from .methods import Settings
 
     s = Settings(k=args.k, gamma=args.gamma, refresh=not args.no_refresh, layerskip_layers=args.layerskip_layers)
-    for field, value in (("tau", args.tau), ("eta", args.eta), ("ht_layers", args.ht_layers), ("budget", args.budget)):
+    for field, value in (("tau", args.tau), ("eta", args.eta), ("ht_layers", args.ht_layers), ("budget", args.budget),
+                         ("window", args.window), ("rho", args.rho)):
         if value is not None:
             setattr(s, field, value)
     return s
