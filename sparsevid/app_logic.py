@@ -211,7 +211,7 @@ def setting_groups() -> list[Group]:
             Field("eta", "η: relevance coverage of the kept tokens", "float", "", 0.05, 1.0, 0.05),
             Field("l_v", "l_v: fixed visual-token budget", "optional", "Blank: use η coverage instead."),
             Field("heads_full", "h_f: full heads per layer", "optional", "Count or fraction ≤ 1; blank: 0.25."),
-            Field("heads_sparse", "h_s: sparse heads per layer", "optional", "Count or fraction ≤ 1; blank: 0.5."),
+            Field("heads_sparse", "h_s: sparse heads per layer", "optional", "Count or fraction ≤ 1; blank: 0.75."),
             Field("ht_layers", "Routed layers", "choice", choices=layers),
             Field("ht_variant", "Variant", "choice", "ht: heads + tokens; head: heads only; token: tokens only",
                   choices=variants),

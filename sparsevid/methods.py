@@ -34,7 +34,7 @@ class Settings:
     eta: float | None = 0.8
     l_v: int | None = None
     heads_full: int | float | None = 0.25
-    heads_sparse: int | float | None = 0.5
+    heads_sparse: int | float | None = 0.75
     ht_layers: str = "mid+late"
     ht_variant: str = "ht"
     drop_mode: str = "zero"

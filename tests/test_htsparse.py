@@ -41,7 +41,7 @@ def test_partition_by_variant_and_fractions():
     assert HTSparse(heads_full=1, heads_sparse=2, variant="head").roles(pi).tolist() == [2, 0, 0, 0, 2, 2, 2, 2]
     assert HTSparse(variant="token").roles(pi).tolist() == [SPARSE] * 8
     # by_group: whole GQA groups ranked by their summed π (groups of 2: 0.45, 0.45, 0.05, 0.05)
-    assert HTSparse(by_group=True).roles(pi, 4).tolist() == [0, 0, 1, 1, 1, 1, 2, 2]  # ties: lower group
+    assert HTSparse(heads_sparse=0.5, by_group=True).roles(pi, 4).tolist() == [0, 0, 1, 1, 1, 1, 2, 2]  # ties: lower group
     g = torch.tensor([0.05, 0.15, 0.4, 0.4])  # two groups of 2: 0.2, 0.8
     assert HTSparse(by_group=True).roles(g, 2).tolist() == [SPARSE, SPARSE, FULL, FULL]
     assert HTSparse(by_group=True, heads_sparse=0).roles(g, 2).tolist() == [DROPPED, DROPPED, FULL, FULL]
