@@ -44,6 +44,9 @@ class PolicyDraft:
     def forward(self, loaded: Loaded, run, tokens: list[int]) -> torch.Tensor:
         return step(loaded, run, tokens, mode="sparse")
 
+    def before_verify(self, run) -> None:
+        """The sparse cache keeps the draft's entries until the round ends."""
+
     def end_round(self, run, n_draft_fed: int, out: list[int]) -> None:
         """After verification: `out` is every committed token; the dense cache holds all but the last."""
         cache = run.cache
@@ -74,6 +77,7 @@ class LayerSkipDraft:
 
     def begin(self, run, committed: list[int]) -> None:
         self.last = committed[-1:]
+        self._start = None  # dense length before this round's draft writes
 
     def feed(self) -> list[int]:
         return self.last
@@ -89,16 +93,16 @@ class LayerSkipDraft:
             lm.layers = full
 
     def forward(self, loaded: Loaded, run, tokens: list[int]) -> torch.Tensor:
-        if not hasattr(self, "_start"):
+        if self._start is None:
             self._start = run.cache.dense_len
         with self._truncated(loaded):
             return step(loaded, run, tokens, mode="dense")
 
-    def rewind(self, run) -> None:
-        """Called before verification: forget the draft's dense-cache writes."""
-        if hasattr(self, "_start"):
+    def before_verify(self, run) -> None:
+        """Forget the draft's dense-cache writes: verification rewrites those positions."""
+        if self._start is not None:
             run.cache.dense_len = self._start
-            del self._start
+            self._start = None
 
     def end_round(self, run, n_draft_fed: int, out: list[int]) -> None:
         self.last = out[-1:]
@@ -143,8 +147,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
             feed = [t]
             if t in eos:
                 break
-        if isinstance(draft, LayerSkipDraft):
-            draft.rewind(run)
+        draft.before_verify(run)
         sync(dev)
         tv = time.perf_counter()
         # Verify: dense scores the last committed token and every proposal in one pass.
