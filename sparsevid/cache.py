@@ -110,10 +110,10 @@ class SparseKV:
             self.k[0, :, :K] = keys[0].gather(1, gather)
             self.v[0, :, :K] = values[0].gather(1, gather)
             self.bias = None
-            if qmask is not None:  # [Hkv, G, K]
+            if qmask is not None:  # [Hkv, G, K + gen_capacity]: built once, generated part 0
                 allowed = qmask.gather(2, idx[:, None, :].expand(-1, G, -1))
-                self.bias = torch.zeros(allowed.shape, dtype=keys.dtype, device=dev).masked_fill_(
-                    ~allowed, float("-inf"))
+                self.bias = torch.zeros(Hkv, G, K + gen_capacity, dtype=keys.dtype, device=dev)
+                self.bias[..., :K].masked_fill_(~allowed, float("-inf"))
         else:
             flat = torch.cat(list(sel.keep)).to(dev)
             self.head_of = torch.repeat_interleave(torch.arange(Hkv, device=dev),
@@ -152,11 +152,8 @@ class SparseKV:
     def _attend_uniform(self, query, scale, n_gen):
         n = self.n_prompt + n_gen
         bias = None
-        if self.bias is not None:
-            q = query.shape[2]
-            Hkv, G, K = self.bias.shape
-            bias = torch.zeros(Hkv, G, q, n, dtype=query.dtype, device=query.device)
-            bias[..., :K] = self.bias[:, :, None, :]
+        if self.bias is not None:  # a view per step, no allocation
+            bias = self.bias[:, :, None, :n].expand(-1, -1, query.shape[2], -1)
         return grouped_sdpa(query, self.k[:, :, :n], self.v[:, :, :n], scale, bias)
 
     def _attend_ragged(self, query, scale, n_gen):
