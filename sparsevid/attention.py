@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .cache import KVCache, LayerSelection, SparseKV, grouped_sdpa, keep_all
+from .cache import KVCache, LayerSelection, SparseKV, grouped_sdpa, keep_all, low_rank_keys
 
 NAME = "sparsevid"
 
@@ -150,11 +150,12 @@ def _prefill_hook(run: Run, layer: int, out, query, key, value, scale):
     sel = run.policy.select(layer, stats, run) or keep_all(key.shape[2], key.shape[1])
     run.selections[layer] = sel
     gen_capacity = run.cache.capacity - key.shape[2]
-    run.cache.set_sparse(layer, SparseKV(key, value, sel, gen_capacity, run.num_heads))
+    score_key = low_rank_keys(key, sel.low_rank) if sel.low_rank else key  # the dense cache keeps `key`
+    run.cache.set_sparse(layer, SparseKV(score_key, value, sel, gen_capacity, run.num_heads))
     if sel.route_prefill and not run.cache.store_dense:
         # Direct use only: as a draft, the prefill also fills the dense cache and gives the first
         # token, so it must stay dense (the draft then routes its decode steps only).
-        out = _route_prefill_rows(out, query, key, value, scale, sel, min(run.query_start, key.shape[2] - 1))
+        out = _route_prefill_rows(out, query, score_key, value, scale, sel, min(run.query_start, key.shape[2] - 1))
     return out
 
 

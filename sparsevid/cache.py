@@ -32,6 +32,10 @@ class LayerSelection:
     route_prefill: also apply this selection to the query rows of prefill (HT-Sparse), when the
         policy is used directly (a draft's prefill stays dense: it fills the dense cache).
     roles: optional int8 [H] for the trace (0 full, 1 sparse, 2 dropped).
+    low_rank: r > 0 scores the prompt keys in rank r (HT-Sparse step 5): the attention hook replaces
+        each KV head's prompt keys by `k P Pᵀ` (`low_rank_keys`) before they are gathered and before
+        the routed prefill rows, so `q · k P Pᵀ = (q P) · (k P)` is the rank-r score. Values and the
+        generated tokens' keys are untouched. 0 = off.
     """
 
     keep: list[torch.Tensor]
@@ -39,6 +43,7 @@ class LayerSelection:
     head_scale: torch.Tensor | None = None
     route_prefill: bool = False
     roles: torch.Tensor | None = None
+    low_rank: int = 0
 
     @property
     def lengths(self) -> list[int]:
@@ -47,6 +52,16 @@ class LayerSelection:
 
 def keep_all(m: int, num_kv_heads: int) -> LayerSelection:
     return LayerSelection([torch.arange(m)] * num_kv_heads)
+
+
+def low_rank_keys(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """keys [1, Hkv, m, D] -> the same keys projected per head onto the top-`rank` right singular
+    vectors of that head's keys: k P Pᵀ with P [D, rank] (SVD in float32 at least)."""
+    k = keys[0].to(torch.promote_types(keys.dtype, torch.float32))  # [Hkv, m, D]
+    rank = min(rank, k.shape[-1])
+    _, _, vh = torch.linalg.svd(k, full_matrices=False)  # vh [Hkv, D, D]
+    p = vh[:, :rank].transpose(1, 2)  # [Hkv, D, rank]
+    return (k @ p @ p.transpose(1, 2)).to(keys.dtype)[None]
 
 
 def _causal_mask(rows: int, n: int, device) -> torch.Tensor:

@@ -29,7 +29,14 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layerskip-layers", type=int, default=None)
     p.add_argument("--tau", type=float, default=None)
     p.add_argument("--eta", type=float, default=None)
-    p.add_argument("--ht-layers", default=None, help="early, mid, late or mid+late")
+    p.add_argument("--ht-layers", default=None, help="HT-Sparse routed layers: early, mid, late, mid+late or all")
+    p.add_argument("--ht-variant", default=None, help="HT-Sparse variant: ht, head or token")
+    p.add_argument("--heads-full", type=_num, default=None, help="HT-Sparse h_f: count, or fraction <= 1 of the query heads")
+    p.add_argument("--heads-sparse", type=_num, default=None, help="HT-Sparse h_s: count, or fraction <= 1 of the query heads")
+    p.add_argument("--l-v", type=_num, default=None, help="HT-Sparse fixed top-l_v token budget instead of coverage eta")
+    p.add_argument("--drop-mode", default=None, help="HT-Sparse dropped heads: zero or text_only")
+    p.add_argument("--ht-by-group", default=None, choices=("on", "off"), help="HT-Sparse: partition whole GQA groups")
+    p.add_argument("--low-rank", type=int, default=None, help="HT-Sparse low-rank scoring rank r (0: off)")
     p.add_argument("--budget", type=_num, default=None,
                    help="SparseMM average KV budget per head: count, or fraction <= 1 of the prompt")
     p.add_argument("--window", type=int, default=None, help="SparseMM local window w")
@@ -47,8 +54,11 @@ def settings_from(args):
     from .methods import Settings
 
     s = Settings(k=args.k, gamma=args.gamma, refresh=not args.no_refresh, layerskip_layers=args.layerskip_layers)
+    by_group = None if args.ht_by_group is None else args.ht_by_group == "on"
     for field, value in (("tau", args.tau), ("eta", args.eta), ("ht_layers", args.ht_layers), ("budget", args.budget),
-                         ("window", args.window), ("rho", args.rho)):
+                         ("window", args.window), ("rho", args.rho), ("ht_variant", args.ht_variant),
+                         ("heads_full", args.heads_full), ("heads_sparse", args.heads_sparse), ("l_v", args.l_v),
+                         ("drop_mode", args.drop_mode), ("ht_by_group", by_group), ("low_rank", args.low_rank)):
         if value is not None:
             setattr(s, field, value)
     return s

@@ -16,7 +16,9 @@ At prefill, in each routed layer, from the layer's own `LayerStats`:
 
 Used directly (`htsparse`, lossy) the routing applies from prefill on; as a draft
 (`htsparse-draft`, lossless) the prefill stays dense (it fills the dense cache) and the draft's
-decode steps are routed. Low-rank scoring (SPEC §3.2 step 5) is not implemented.
+decode steps are routed. Optional low-rank scoring (SPEC §3.2 step 5, `low_rank = r`, off by
+default): in routed layers the prompt keys are scored in rank r (`cache.low_rank_keys`); values are
+untouched. The figures count its score FLOPs at rank r; the keys are still stored at full width.
 
 Defaults (h_f = 25 %, h_s = 75 %, η = 0.8, τ = 1, mid + late layers, last-token saliency), chosen
 on the embedded toy model's held-out clips (120 clips, `python -m sparsevid.htsparse_ablation`):
@@ -161,6 +163,8 @@ class HTSparse:
     by_group: partition whole GQA groups (ranked by the sum of their heads' π; ceil(h_f / G) full
         groups, round(h_s / G) sparse) so that KV memory falls on models with few KV heads, where
         a per-head partition almost always leaves a full head in every group. Off by default.
+    low_rank: r > 0 scores the prompt keys of routed layers in rank r (SVD of each KV head's
+        prefill keys; values untouched). 0 = off (default).
     """
 
     heads_full: int | float = 0.25
@@ -173,6 +177,7 @@ class HTSparse:
     drop_mode: str = "zero"
     summary: str = "last"
     by_group: bool = False
+    low_rank: int = 0
     window: int = 0
     name: str = "htsparse"
 
@@ -217,8 +222,8 @@ class HTSparse:
             tokens = vis[select_tokens(stats.relevance.sum(0)[vis], self.l_v, self.eta)]
         keep, query_mask, head_scale = route(roles.to(dev), Hkv, m, text, tokens, self.drop_mode)
         restricted = query_mask is not None or head_scale is not None or any(k.numel() < m for k in keep)
-        return HTSelection(keep, query_mask, head_scale, route_prefill=restricted, roles=roles.cpu(),
-                           saliency=pi.cpu(), tokens=tokens.cpu())
+        return HTSelection(keep, query_mask, head_scale, route_prefill=restricted or self.low_rank > 0,
+                           roles=roles.cpu(), low_rank=self.low_rank, saliency=pi.cpu(), tokens=tokens.cpu())
 
 
 def from_settings(s: Settings) -> HTSparse:
@@ -226,8 +231,8 @@ def from_settings(s: Settings) -> HTSparse:
     return HTSparse(heads_full=d.heads_full if s.heads_full is None else s.heads_full,
                     heads_sparse=d.heads_sparse if s.heads_sparse is None else s.heads_sparse,
                     tau=s.tau, eta=s.eta, l_v=s.l_v, layers=s.ht_layers, variant=s.ht_variant,
-                    drop_mode=s.drop_mode, summary=getattr(s, "ht_summary", d.summary),
-                    by_group=getattr(s, "ht_by_group", d.by_group))
+                    drop_mode=s.drop_mode, summary=s.ht_summary,
+                    by_group=s.ht_by_group, low_rank=s.low_rank or 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +314,9 @@ def efficiency(selections: dict, shape: dict, m: int, query_start: int, n_steps:
     prefill_flops: projections + MLP + attention over the pairs each head attends (visual rows
     dense; routed rows over their allowed keys), + the relevance scores a policy needs (QK of the
     query rows, 2·D per pair), + the LM head of the last position. decode_flops: per step, the same
-    per token, each head over its kept prompt entries + generated tokens (a zeroed head: none).
+    per token, each head over its kept prompt entries + generated tokens (a zeroed head: none);
+    with low-rank scoring, scores over prompt entries cost 2·r per pair instead of 2·D, and the
+    prefill pays the SVD and projection of the prompt keys (routed prefill rows counted at full D).
     peak_act_bytes (the peak estimate is weights + prefill_kv_bytes + this): one layer's prefill
     activations (hidden ×3, q, k, v, attention output, MLP ×3, in both runs: the layer's new K/V
     exist before they are copied into either cache) + for a policy, its float32 relevance scores of
@@ -328,7 +335,11 @@ def efficiency(selections: dict, shape: dict, m: int, query_start: int, n_steps:
             pre += 2 * D * H * (m - start) * m
         keys = head_keys(sel, m, H)
         active = H if sel is None or sel.head_scale is None else int((sel.head_scale != 0).sum())
-        dec += _flops(shape, 1, 0) + 4 * D * (int(keys.sum()) + active * mean_gen)
+        r = min(sel.low_rank, D) if sel is not None and sel.low_rank else D
+        if r < D:  # SVD of each KV head's prompt keys (~4·m·D²) + projecting them (4·m·D·r)
+            pre += Hkv * (4 * m * D * D + 4 * m * D * r)
+        # per (head, key) pair: scores 2·D (2·r on low-rank prompt keys) + values 2·D
+        dec += _flops(shape, 1, 0) + (2 * D + 2 * r) * int(keys.sum()) + 4 * D * active * mean_gen
     act = m * (3 * d + 2 * H * D + 2 * Hkv * D + 3 * shape["I"]) * nb
     if selections:
         act += 4 * H * (m - start) * m

@@ -32,7 +32,7 @@ class Settings:
     # HT-Sparse (SPEC §3.2)
     tau: float = 1.0
     eta: float | None = 0.8
-    l_v: int | None = None
+    l_v: int | float | None = None
     heads_full: int | float | None = 0.25
     heads_sparse: int | float | None = 0.75
     ht_layers: str = "mid+late"
@@ -40,6 +40,7 @@ class Settings:
     drop_mode: str = "zero"
     ht_summary: str = "last"
     ht_by_group: bool = False
+    low_rank: int = 0  # HT-Sparse low-rank scoring rank (0: off)
     # SparseMM (SPEC §3.3)
     budget: int | None = None
     window: int = 32

@@ -251,3 +251,55 @@ def test_prefill_routing_matches_decode_routing(tiny):
     prefill(loaded, short, run_b)
     last = step(loaded, run_b, [int(inputs.input_ids[0, -1])])[-1]
     assert torch.allclose(last, full[0], atol=1e-4), (last - full[0]).abs().max()
+
+
+def test_low_rank_keys_are_the_best_rank_r_approximation():
+    from sparsevid.cache import low_rank_keys
+
+    keys = torch.randn(1, 2, 40, 16, dtype=torch.float64)
+    for r in (1, 4, 16):
+        lr = low_rank_keys(keys, r)
+        for g in range(2):
+            assert torch.linalg.matrix_rank(lr[0, g]) == r
+            s = torch.linalg.svdvals(keys[0, g])
+            # Eckart–Young: the residual's Frobenius norm is the norm of the dropped singular values
+            assert torch.allclose((keys[0, g] - lr[0, g]).norm(), s[r:].norm(), atol=1e-9)
+    assert torch.allclose(low_rank_keys(keys, 16), keys, atol=1e-9)
+
+
+def test_low_rank_scoring_full_rank_matches_and_low_rank_costs_less(tiny):
+    loaded, inputs = tiny
+    D = loaded.head_dim
+    base = HTSparse(heads_full=1, heads_sparse=1, eta=0.5)
+    ref, _ = logits_along(loaded, inputs, [5, 9, 11], base)
+    full, run = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D))
+    assert [l for l, s in run.selections.items() if s.low_rank == D] == [1, 2]  # the routed layers
+    assert torch.allclose(full, ref, atol=1e-4)
+    low, _ = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=2))
+    assert not torch.allclose(low, ref, atol=1e-4)  # rank 2 of 32 really changes the scores
+    s_full = Settings(heads_full=1, heads_sparse=1, eta=0.5)
+    s_low = Settings(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D // 4)
+    a = compare(loaded, inputs, ["htsparse"], s_full, max_new_tokens=4)["htsparse"].extra
+    b = compare(loaded, inputs, ["htsparse"], s_low, max_new_tokens=4)["htsparse"].extra
+    assert b["decode_flops_pct"] < a["decode_flops_pct"]
+    assert b["decode_kv_pct"] == a["decode_kv_pct"]  # keys are still stored at full width
+
+
+def test_cli_run_json_reports_htsparse_figures(tiny_model_dir, frames, tmp_path, capsys):
+    import json
+
+    from sparsevid.cli import main
+    from sparsevid.video import write_video
+
+    path = str(tmp_path / "clip.mp4")
+    write_video(path, frames, fps=4)
+    rc = main(["run", path, "What colour is the object?", "--model", tiny_model_dir("qwen2_vl"), "--frames", "8",
+               "--methods", "dense,htsparse", "--max-new-tokens", "6", "--heads-full", "1", "--heads-sparse", "1",
+               "--ht-variant", "ht", "--ht-layers", "all", "--eta", "0.5", "--low-rank", "8", "--json", "--quiet"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ht = out["methods"]["htsparse"]
+    for k in ("decode_kv_pct", "prefill_kv_pct", "latency_pct", "prefill_flops_pct", "decode_flops_pct",
+              "peak_memory_pct", "kv_ratio", "speedup"):
+        assert isinstance(ht[k], (int, float)), k
+    assert ht["decode_kv_pct"] < 100 and ht["kv_ratio"] < 1
