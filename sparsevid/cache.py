@@ -93,16 +93,54 @@ def grouped_sdpa(query, key, value, scale, bias=None):
     return out.view(1, H, q, D).transpose(1, 2)
 
 
+class _Block:
+    """KV heads `heads` of one layer that keep the same number K of prompt entries: buffers
+    `k, v [1, h_b, K + gen_capacity, D]`, prompt entries first, then generated tokens."""
+
+    def __init__(self, keys, values, keep: list, heads: list[int], qmask, gen_capacity: int, G: int):
+        dev = keys.device
+        Hkv, D = keys.shape[1], keys.shape[3]
+        idx = torch.stack(keep).to(dev)  # [h_b, K]
+        K = idx.shape[1]
+        self.all_heads = heads == list(range(Hkv))  # the whole layer in order: no head indexing
+        self.kv = torch.tensor(heads, device=dev)
+        self.q = (self.kv[:, None] * G + torch.arange(G, device=dev)).reshape(-1)  # its query heads
+        self.n_prompt = K
+        self.k = keys.new_empty(1, len(heads), K + gen_capacity, D)
+        self.v = values.new_empty(1, len(heads), K + gen_capacity, D)
+        gather = idx[..., None].expand(-1, -1, D)
+        self.k[0, :, :K] = keys[0, self.kv].gather(1, gather)
+        self.v[0, :, :K] = values[0, self.kv].gather(1, gather)
+        self.bias = None
+        if qmask is not None:  # [h_b, G, K + gen_capacity]: built once, generated part 0
+            allowed = qmask[self.kv].gather(2, idx[:, None, :].expand(-1, G, -1))
+            self.bias = torch.zeros(len(heads), G, K + gen_capacity, dtype=keys.dtype, device=dev)
+            self.bias[..., :K].masked_fill_(~allowed, float("-inf"))
+
+    def write(self, key, value, pos: int) -> None:
+        q = key.shape[2]
+        if not self.all_heads:
+            key, value = key[:, self.kv], value[:, self.kv]
+        self.k[:, :, pos:pos + q] = key
+        self.v[:, :, pos:pos + q] = value
+
+    def attend(self, query, scale: float, n: int):
+        """query [1, h_b * G, q, D] -> [1, q, h_b * G, D] over the first n entries."""
+        bias = None
+        if self.bias is not None:  # a view per step, no allocation
+            bias = self.bias[:, :, None, :n].expand(-1, -1, query.shape[2], -1)
+        return grouped_sdpa(query, self.k[:, :, :n], self.v[:, :, :n], scale, bias)
+
+
 class SparseKV:
     """One layer's compact cache: kept prompt entries + generated tokens.
 
-    Uniform layout (every KV head keeps the same number K of prompt entries): one buffer
-    `k, v [1, Hkv, K + gen_capacity, D]`, prompt entries first; attention is one SDPA call.
-    Ragged layout (lengths differ per head): prompt entries flat `pk, pv [N, D]` with `head_of [N]`,
-    generated tokens in `gk, gv [1, Hkv, gen_capacity, D]`; attention scores every head's queries
-    against all N entries in one matmul (each entry read once per step, as dense decoding reads its
-    cache) with the other heads' entries masked out (`head_bias [Hkv, N]`), then one softmax over
-    both parts. Memory is N (or Hkv*K) + Hkv*gen_capacity entries.
+    KV heads that keep the same number of prompt entries share a block (`_Block`): one buffer per
+    block, prompt entries first, attended with one grouped SDPA call. A layer whose heads all keep
+    the same count (StD's top-K, everything kept) is one block and one call; HT-Sparse's full and
+    sparse groups make two blocks; SparseMM's per-head budgets up to Hkv. Every block computes
+    only over its own entries, so a step's attention work is proportional to the entries kept, and
+    memory is the entries kept + Hkv * gen_capacity.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
@@ -112,94 +150,40 @@ class SparseKV:
         dev = keys.device
         lens = sel.lengths
         self.selection = sel
-        self.uniform = len(set(lens)) == 1
         self.head_scale = None if sel.head_scale is None else sel.head_scale.to(dev, keys.dtype)
         qmask = None if sel.query_mask is None else sel.query_mask.to(dev).view(Hkv, G, m)
-        if self.uniform:
-            idx = torch.stack(list(sel.keep)).to(dev)  # [Hkv, K]
-            K = idx.shape[1]
-            self.n_prompt = K
-            self.k = keys.new_empty(1, Hkv, K + gen_capacity, D)
-            self.v = values.new_empty(1, Hkv, K + gen_capacity, D)
-            gather = idx[..., None].expand(-1, -1, D)
-            self.k[0, :, :K] = keys[0].gather(1, gather)
-            self.v[0, :, :K] = values[0].gather(1, gather)
-            self.bias = None
-            if qmask is not None:  # [Hkv, G, K + gen_capacity]: built once, generated part 0
-                allowed = qmask.gather(2, idx[:, None, :].expand(-1, G, -1))
-                self.bias = torch.zeros(Hkv, G, K + gen_capacity, dtype=keys.dtype, device=dev)
-                self.bias[..., :K].masked_fill_(~allowed, float("-inf"))
-        else:
-            flat = torch.cat(list(sel.keep)).to(dev)
-            self.head_of = torch.repeat_interleave(torch.arange(Hkv, device=dev),
-                                                   torch.tensor(lens, device=dev))
-            self.pk = keys[0, self.head_of, flat].contiguous()  # [N, D]
-            self.pv = values[0, self.head_of, flat].contiguous()
-            self.gk = keys.new_empty(1, Hkv, gen_capacity, D)
-            self.gv = values.new_empty(1, Hkv, gen_capacity, D)
-            self.head_bias = torch.zeros(Hkv, len(flat), dtype=keys.dtype, device=dev).masked_fill_(
-                self.head_of[None, :] != torch.arange(Hkv, device=dev)[:, None], float("-inf"))
-            self.bias = None
-            if qmask is not None:  # [N, G]
-                allowed = qmask[self.head_of, :, flat]
-                self.bias = torch.zeros(allowed.shape, dtype=keys.dtype, device=dev).masked_fill_(
-                    ~allowed, float("-inf"))
+        self.blocks = []
+        for K in sorted(set(lens), reverse=True):
+            heads = [g for g in range(Hkv) if lens[g] == K]
+            self.blocks.append(_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G))
+        self.uniform = len(self.blocks) == 1
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
-        q = key.shape[2]
-        if self.uniform:
-            s = self.n_prompt + gen_pos
-            self.k[:, :, s:s + q] = key
-            self.v[:, :, s:s + q] = value
-        else:
-            self.gk[:, :, gen_pos:gen_pos + q] = key
-            self.gv[:, :, gen_pos:gen_pos + q] = value
+        for b in self.blocks:
+            b.write(key, value, b.n_prompt + gen_pos)
 
     def attend(self, query: torch.Tensor, scale: float, n_gen: int) -> torch.Tensor:
         """query [1, H, q, D] (the newest q tokens; n_gen generated tokens stored, them included)
         -> [1, q, H, D]."""
-        out = self._attend_uniform(query, scale, n_gen) if self.uniform else self._attend_ragged(query, scale, n_gen)
+        if self.uniform:
+            b = self.blocks[0]
+            out = b.attend(query, scale, b.n_prompt + n_gen)
+        else:
+            out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+            for b in self.blocks:  # at most Hkv calls
+                out[:, :, b.q] = b.attend(query[:, b.q], scale, b.n_prompt + n_gen)
         if self.head_scale is not None:
             out = out * self.head_scale.view(1, 1, -1, 1)
         return out
-
-    def _attend_uniform(self, query, scale, n_gen):
-        n = self.n_prompt + n_gen
-        bias = None
-        if self.bias is not None:  # a view per step, no allocation
-            bias = self.bias[:, :, None, :n].expand(-1, -1, query.shape[2], -1)
-        return grouped_sdpa(query, self.k[:, :, :n], self.v[:, :, :n], scale, bias)
-
-    def _attend_ragged(self, query, scale, n_gen):
-        _, H, q, D = query.shape
-        Hkv = self.gk.shape[1]
-        G = H // Hkv
-        N = self.pk.shape[0]
-        qg = query[0].reshape(Hkv, G * q, D).float()
-        s_p = torch.matmul(qg, self.pk.float().T).view(Hkv, G, q, N) * scale
-        bias = self.head_bias[:, None, None, :]  # [Hkv, 1, 1, N]
-        if self.bias is not None:  # query mask [N, G]
-            bias = bias + self.bias.T[None, :, None, :]
-        gk, gv = self.gk[0, :, :n_gen].float(), self.gv[0, :, :n_gen].float()
-        s_g = torch.matmul(qg, gk.transpose(1, 2)).view(Hkv, G, q, n_gen) * scale
-        if q > 1:
-            s_g = s_g.masked_fill(~_causal_mask(q, n_gen, query.device), float("-inf"))
-        p = torch.cat([s_p + bias, s_g], dim=-1).softmax(-1)  # [Hkv, G, q, N + n_gen]
-        out = (torch.matmul(p[..., :N].reshape(Hkv, G * q, N), self.pv.float())
-               + torch.matmul(p[..., N:].reshape(Hkv, G * q, n_gen), gv))
-        return out.to(query.dtype).view(1, H, q, D).transpose(1, 2)
 
     def copy_generated(self, keys: torch.Tensor, values: torch.Tensor, gen_pos: int) -> None:
         """Replace generated entries from gen_pos with dense KV [1, Hkv, n, D] (draft refresh)."""
         self.write(keys, values, gen_pos)
 
     def nbytes(self, n_gen: int) -> int:
-        if self.uniform:
-            per = self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
-            return per * (self.n_prompt + n_gen)
-        per_gen = self.gk.shape[1] * self.gk.shape[3] * self.gk.element_size() * 2
-        return self.pk.numel() * self.pk.element_size() * 2 + per_gen * n_gen
+        return sum(b.k.shape[1] * b.k.shape[3] * b.k.element_size() * 2 * (b.n_prompt + n_gen)
+                   for b in self.blocks)
 
 
 class LayerKV(CacheLayerMixin):

@@ -12,7 +12,7 @@
    score-proportional pool across all layers; caps beyond what the prompt holds go back to the pool.
 3. **Tokens** (`SparseMM.select`): SnapKV: the last w prompt rows' attention, pooled (kernel 5), top
    `cap − w` earlier prompt positions plus the last w, per KV head; per-head lengths differ, so the
-   core's ragged `SparseKV` holds memory proportional to what is kept.
+   core's `SparseKV` (one block per distinct length) holds memory and computes in proportion to what is kept.
 
 Methods: `sparsemm` (direct, lossy) and `sparsemm-draft` (verified by dense, lossless).
 CLI: `python -m sparsevid calibrate --model NAME_OR_DIR [--samples N] [--out FILE]`.

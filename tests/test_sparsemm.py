@@ -233,7 +233,7 @@ def test_budget_at_least_prompt_equals_dense(tiny_loaded, video_inputs):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_small_budget_ragged_cache_and_lossless_draft(tiny_loaded, video_inputs, arch):
+def test_small_budget_per_head_cache_and_lossless_draft(tiny_loaded, video_inputs, arch):
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
     path = _uneven_scores(loaded).save(S.scores_path(loaded))
     settings = Settings(budget=inputs.m // 3, window=8)
