@@ -219,7 +219,9 @@ def setting_groups() -> list[Group]:
                   choices=("zero", "text_only")),
             Field("ht_summary", "Head saliency from", "choice", "last: the last prompt token's query; "
                   "mean: the mean over the question's tokens", choices=("last", "mean")),
-            Field("ht_by_group", "Partition whole GQA groups (so KV memory falls with them)", "bool")]),
+            Field("ht_by_group", "Partition whole GQA groups (so KV memory falls with them)", "bool"),
+            Field("low_rank", "r: low-rank scoring rank", "int", "0: off; else prompt keys are scored in rank r "
+                  "(SVD of each KV head's prefill keys), values untouched", 0, 256, 1)]),
         Group("SparseMM", ("sparsemm", "sparsemm-draft"), [
             Field("budget", "B: average KV entries per KV head", "optional",
                   "A count, or a fraction ≤ 1 of the prompt; blank: 0.4 of the prompt."),
