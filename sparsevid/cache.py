@@ -74,12 +74,13 @@ def grouped_sdpa(query, key, value, scale, bias=None):
 
     query [1, H, q, D]; key, value [1, Hkv, n, D]; bias optional additive [Hkv, G, q, n].
     The G query heads of a group are folded into the row dimension, so one SDPA call serves all.
-    Returns [1, q, H, D].
+    With a single KV head (a `SparseKV` block of one head) the heads stay a dimension instead
+    (`enable_gqa`): CPU SDPA over one (batch, head) item with several rows was measured ~10x
+    slower (0.65 ms vs 0.06 ms at 2,000 keys, 2 threads). Returns [1, q, H, D].
     """
     _, H, q, D = query.shape
     Hkv, n = key.shape[1], key.shape[2]
     G = H // Hkv
-    qg = query.reshape(1, Hkv, G * q, D)
     mask = None
     if q > 1:
         causal = _causal_mask(q, n, query.device)
@@ -87,9 +88,13 @@ def grouped_sdpa(query, key, value, scale, bias=None):
         mask = mask.expand(Hkv, G, q, n)
     if bias is not None:
         mask = bias if mask is None else mask + bias
+    if Hkv == 1:
+        mask = None if mask is None else mask.reshape(1, H, q, n)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
     if mask is not None:
         mask = mask.reshape(1, Hkv, G * q, n)
-    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(query.reshape(1, Hkv, G * q, D), key, value, attn_mask=mask, scale=scale)
     return out.view(1, H, q, D).transpose(1, 2)
 
 
