@@ -30,6 +30,7 @@ _DXY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 BAR_H = 3  # progress bar rows at the bottom of every frame
 SHORT_MAX = 32  # clips up to this many frames are "short"
 MAX_SEG = 20  # longest visible segment (frames): fast straight paths must stay inside the frame
+OBJ_SIZE = (20, 29)  # object size range in pixels (of 96), [lo, hi)
 
 
 @dataclass
@@ -224,7 +225,7 @@ def make_clip(
     for k in range(n_objects):
         placed = None
         for _try in range(60):
-            sz = int(rng.integers(20, 29))
+            sz = int(rng.integers(*OBJ_SIZE))
             direction = DIRECTIONS[int(rng.integers(0, 4))]
             if long:
                 full = False

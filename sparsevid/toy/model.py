@@ -43,18 +43,19 @@ PROCESSOR_CONFIG = {
 
 
 def toy_config(vocab_size: int, special_ids: dict, hidden: int = 192, layers: int = 4,
-               vision_embed: int = 96, vision_depth: int = 3):
+               vision_embed: int = 96, vision_depth: int = 3, heads: int = 4, kv_heads: int = 2,
+               rope_theta: float = 10000.0):
     from transformers import Qwen2VLConfig
 
-    head_dim = hidden // 4
+    head_dim = hidden // heads
     half = head_dim // 2
     sec = [half // 3, half // 3, half - 2 * (half // 3)]
     return Qwen2VLConfig(
         text_config=dict(
             vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32,
-            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             max_position_embeddings=32768, rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=sec),
+            rope_parameters=dict(rope_type="default", rope_theta=rope_theta, mrope_section=sec),
             bos_token_id=special_ids["<|endoftext|>"], eos_token_id=special_ids["<|im_end|>"],
             pad_token_id=special_ids["<|endoftext|>"], tie_word_embeddings=False,
         ),

@@ -4,10 +4,12 @@ Stage 1: vision tower alone, per-visual-token auxiliary loss (colour, shape, dir
 object under each merged token, and the clip third the token's frames lie in) through a
 temporary linear head on the merged visual tokens.
 Stage 2: answer training (cross-entropy on the answer tokens) with the auxiliary loss kept on,
-the vision tower trainable, and a grounding loss on the attention of KV group 0's query heads in
+the vision tower trainable, and a grounding loss on the query heads of KV groups 0 and 1 in
 layers 1.. that asks the answer-producing positions to put their visual attention on the asked
 object's tokens. Single-object clips early (curriculum), short clips mostly.
 Stage 3: the same, with long clips (48-256 frames) mixed in.
+The language model trains with its own attention function (`_train_attention`: causal SDPA plus
+the grounding loss of the answer rows), so no [B, H, L, L] attention map is ever materialised.
 The auxiliary heads are dropped: the saved folder is a plain Qwen2-VL checkpoint.
 """
 from __future__ import annotations
@@ -38,9 +40,13 @@ class TrainConfig:
     layers: int = 4
     vision_embed: int = 96
     vision_depth: int = 1
-    stage1_steps: int = 1500
-    stage2_steps: int = 1300
-    stage3_steps: int = 350
+    heads: int = 8
+    kv_heads: int = 4
+    rope_theta: float = 1e6  # as Qwen2-VL's checkpoints: most rotary pairs turn slowly, free for content
+    grounded_heads: tuple = (0, 1, 2, 3)  # query heads (KV groups 0 and 1) the grounding loss trains
+    stage1_steps: int = 2500
+    stage2_steps: int = 3500
+    stage3_steps: int = 1000
     short_tokens: int = 2600  # visual tokens per batch for short clips
     long_tokens: int = 2400  # visual tokens per batch for long clips
     lr: float = 1.5e-3
@@ -48,11 +54,11 @@ class TrainConfig:
     vision_zero_init: bool = False  # zero-init the vision blocks' residual branches (measured: no gain)
     warmup: int = 100
     aux_weight: float = 1.0
-    att_weight: float = 0.5
+    att_weight: float = 1.0
     long_prob: float = 0.5  # share of stage-3 steps with long clips
     single_start: float = 0.6  # probability of a single-object clip at the start of stage 2
     single_end: float = 0.15
-    ckpt_every: int = 300
+    ckpt_every: int = 500
     threads: int = 2
     short_frames: tuple = (8, 16, 32)
     short_probs: tuple = (0.5, 0.4, 0.1)
@@ -95,10 +101,11 @@ def build_tokenizer_and_model(cfg: TrainConfig):
     tok = PreTrainedTokenizerFast(tokenizer_object=tok_obj, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     vocab = int(math.ceil(tok_obj.get_vocab_size() / 64) * 64)
     mcfg = toy_config(vocab, special, hidden=cfg.hidden, layers=cfg.layers,
-                      vision_embed=cfg.vision_embed, vision_depth=cfg.vision_depth)
+                      vision_embed=cfg.vision_embed, vision_depth=cfg.vision_depth, heads=cfg.heads,
+                      kv_heads=cfg.kv_heads, rope_theta=cfg.rope_theta)
     torch.manual_seed(cfg.seed)
     model = Qwen2VLForConditionalGeneration._from_config(
-        mcfg, attn_implementation={"text_config": "eager", "vision_config": "sdpa", "": "eager"})
+        mcfg, attn_implementation={"text_config": register_train_attention(), "vision_config": "sdpa", "": "sdpa"})
     if cfg.vision_zero_init:
         # Residual branches of the vision blocks start at zero (each block is the identity at
         # init). With the default init the blocks' near-uniform attention mixes every patch with
@@ -137,21 +144,61 @@ def _samples(rng, T, bs, p1):
     return out
 
 
-def grounding_loss(attns, encs, layers_from: int = 1, heads=(0, 1)):
-    """-log(share of the answer rows' visual attention that lands on the asked object's tokens)."""
-    losses = []
-    for b, e in enumerate(encs):
-        rows = torch.arange(e.prompt_len - 3, len(e.input_ids) - 1)
-        tgt = torch.from_numpy(e.target).float()
-        if tgt.sum() == 0:
-            continue
-        for l in range(layers_from, len(attns)):
-            a = attns[l][b, list(heads)][:, rows, e.vis_start:e.vis_start + e.n_visual]
-            share = (a * tgt).sum(-1) / (a.sum(-1) + 1e-9)
-            losses.append(-torch.log(share + 1e-6).mean())
-    if not losses:
-        return torch.zeros(())
-    return torch.stack(losses).mean()
+TRAIN_ATTN = "sparsevid_toy_train"
+_GROUND: dict = {"items": None, "heads": (), "losses": []}  # set around each training forward
+
+
+def _train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Training attention for the language model: causal SDPA for every row (batches are right
+    padded, so real rows never see padding), plus the grounding loss of the answer rows of the
+    grounded heads, taken over the visual keys only (the share of visual attention on the asked
+    object does not depend on the other keys). Cheaper than eager attention with
+    `output_attentions`, whose [B, H, L, L] maps dominated long-clip steps."""
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    items, heads = _GROUND["items"], list(_GROUND["heads"])
+    if items is not None and module.layer_idx >= 1 and heads:
+        G = query.shape[1] // key.shape[1]
+        kv = [h // G for h in heads]
+        for b, (rows, vs, nv, tgt) in enumerate(items):
+            if tgt is None:
+                continue
+            logits = query[b, heads][:, rows] @ key[b, kv, vs:vs + nv].transpose(1, 2) * scaling  # [h, R, nv]
+            on = torch.logsumexp(logits.masked_fill(~tgt, float("-inf")), -1)
+            _GROUND["losses"].append((torch.logsumexp(logits, -1) - on).mean())
+    return out.transpose(1, 2), None
+
+
+def register_train_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ..attention import _no_mask  # batches are right padded and causal: no mask needed
+
+    AttentionInterface.register(TRAIN_ATTN, _train_attention)
+    AttentionMaskInterface.register(TRAIN_ATTN, _no_mask)
+    return TRAIN_ATTN
+
+
+def grounding_items(encs) -> list:
+    """Per sample: (answer-producing rows, first visual position, visual count, target mask [nv])."""
+    out = []
+    for e in encs:
+        tgt = torch.from_numpy(e.target)
+        out.append((torch.arange(e.prompt_len - 3, len(e.input_ids) - 1), e.vis_start, e.n_visual,
+                    tgt if tgt.any() else None))
+    return out
+
+
+def forward_with_grounding(model, batch, encs, heads):
+    """One training forward -> (output, grounding loss = mean over samples, layers 1.. and heads of
+    -log(share of the answer rows' visual attention on the asked object's tokens))."""
+    _GROUND.update(items=grounding_items(encs), heads=tuple(heads), losses=[])
+    try:
+        out = model(**batch)
+        losses = _GROUND["losses"]
+        return out, (torch.stack(losses).mean() if losses else torch.zeros(()))
+    finally:
+        _GROUND.update(items=None, losses=[])
 
 
 @torch.no_grad()
@@ -173,9 +220,10 @@ def quick_val(model, tok, special, n_per=6, frames=16, seed_base=1_500_000_000):
 
 def save_model(model, tok_obj, out_dir: str, cfg: TrainConfig, extra: dict | None = None) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    model.config._attn_implementation = "sdpa"
+    text_impl = model.config.text_config._attn_implementation  # the training attention
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})  # the saved default
     model.save_pretrained(out_dir, safe_serialization=True)
-    model.config._attn_implementation = "eager"
+    model.set_attn_implementation({"text_config": text_impl, "vision_config": "sdpa"})
     save_tokenizer(tok_obj, out_dir)
     save_processor_config(out_dir)
     info = {"train_config": asdict(cfg), **(extra or {})}
@@ -237,9 +285,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n23)))
         for g in opt.param_groups:
             g["lr"] = lr
-        out = model(**batch, output_attentions=True)
+        out, lg = forward_with_grounding(model, batch, encs, cfg.grounded_heads)
         la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
-        lg = grounding_loss(out.attentions, encs)
         loss = out.loss + cfg.aux_weight * la + cfg.att_weight * lg
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -254,6 +301,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
                   f"acc {[round(a, 2) for a in accs]} lr {lr:.2e} t={time.time()-t0:.0f}s", flush=True)
         if cfg.ckpt_every and (k + 1) % cfg.ckpt_every == 0:
             val = quick_val(model, tok, special)
+            if stage == 3:
+                val = {"16": val, "128": quick_val(model, tok, special, frames=128)}
             print(f"[val {k}] {val} t={time.time()-t0:.0f}s", flush=True)
             save_model(model, tok_obj, os.path.join(out_dir, "checkpoint"), cfg, {"step": k, "val": val})
     bar.close()
