@@ -31,7 +31,7 @@ class Settings:
     sinks: int = 4
     # HT-Sparse (SPEC §3.2)
     tau: float = 1.0
-    eta: float | None = 0.8
+    eta: float | None = 0.7
     l_v: int | float | None = None
     heads_full: int | float | None = 0.25
     heads_sparse: int | float | None = 0.75
@@ -39,7 +39,7 @@ class Settings:
     ht_variant: str = "ht"
     drop_mode: str = "zero"
     ht_summary: str = "last"
-    ht_by_group: bool = False
+    ht_by_group: bool = True
     low_rank: int = 0  # HT-Sparse low-rank scoring rank (0: off)
     # SparseMM (SPEC §3.3)
     budget: int | None = None

@@ -36,9 +36,9 @@ def test_partition_hand_case():
 
 def test_partition_by_variant_and_fractions():
     pi = torch.tensor([0.05, 0.4, 0.15, 0.3, 0.02, 0.03, 0.03, 0.02])
-    assert HTSparse(heads_full=0.25, heads_sparse=0.5).roles(pi).tolist() == [1, 0, 1, 0, 2, 1, 1, 2]
-    assert HTSparse(heads_full=0, heads_sparse=0).roles(pi).tolist() == [2, 0, 2, 2, 2, 2, 2, 2]  # >= 1 full
-    assert HTSparse(heads_full=1, heads_sparse=2, variant="head").roles(pi).tolist() == [2, 0, 0, 0, 2, 2, 2, 2]
+    assert HTSparse(heads_full=0.25, heads_sparse=0.5, by_group=False).roles(pi).tolist() == [1, 0, 1, 0, 2, 1, 1, 2]
+    assert HTSparse(heads_full=0, heads_sparse=0, by_group=False).roles(pi).tolist() == [2, 0, 2, 2, 2, 2, 2, 2]  # >= 1 full
+    assert HTSparse(heads_full=1, heads_sparse=2, variant="head", by_group=False).roles(pi).tolist() == [2, 0, 0, 0, 2, 2, 2, 2]
     assert HTSparse(variant="token").roles(pi).tolist() == [SPARSE] * 8
     # by_group: whole GQA groups ranked by their summed π (groups of 2: 0.45, 0.45, 0.05, 0.05)
     assert HTSparse(heads_sparse=0.5, by_group=True).roles(pi, 4).tolist() == [0, 0, 1, 1, 1, 1, 2, 2]  # ties: lower group
@@ -183,7 +183,7 @@ def _check_draft(loaded, inputs, s):
 def test_kv_shrinks_and_figures(tiny):
     loaded, inputs = tiny
     m, L, H, Hkv = inputs.m, loaded.num_layers, loaded.num_heads, loaded.num_kv_heads
-    s = Settings(heads_full=1, heads_sparse=1, eta=0.5)
+    s = Settings(heads_full=1, heads_sparse=1, eta=0.5, ht_by_group=False)
     res = compare(loaded, inputs, ["htsparse"], s, max_new_tokens=8)
     dense, ht = res["dense"], res["htsparse"]
     assert ht.kv_bytes < dense.kv_bytes
@@ -205,7 +205,7 @@ def test_kv_shrinks_and_figures(tiny):
 
 def test_text_only_mode_runs(tiny):
     loaded, inputs = tiny
-    pol = HTSparse(heads_full=1, heads_sparse=1, eta=0.5, drop_mode="text_only", layers="all")
+    pol = HTSparse(heads_full=1, heads_sparse=1, eta=0.5, drop_mode="text_only", layers="all", by_group=False)
     res = decode(loaded, inputs, policy=pol, max_new_tokens=8)
     text = torch.ones(inputs.m, dtype=torch.bool)
     text[inputs.visual_positions] = False
@@ -231,7 +231,7 @@ def test_prefill_routing_matches_decode_routing(tiny):
     from sparsevid.adapters import VideoInputs
 
     loaded, inputs = tiny
-    pol = HTSparse(heads_full=1, heads_sparse=2, eta=0.5, layers="all")
+    pol = HTSparse(heads_full=1, heads_sparse=2, eta=0.5, layers="all", by_group=False)
     full, run_a = logits_along(loaded, inputs, [], pol)
     assert all(s.route_prefill and s.head_scale is not None for s in run_a.selections.values())
     m1 = inputs.m - 1
@@ -270,15 +270,15 @@ def test_low_rank_keys_are_the_best_rank_r_approximation():
 def test_low_rank_scoring_full_rank_matches_and_low_rank_costs_less(tiny):
     loaded, inputs = tiny
     D = loaded.head_dim
-    base = HTSparse(heads_full=1, heads_sparse=1, eta=0.5)
+    base = HTSparse(heads_full=1, heads_sparse=1, eta=0.5, by_group=False)
     ref, _ = logits_along(loaded, inputs, [5, 9, 11], base)
-    full, run = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D))
+    full, run = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D, by_group=False))
     assert [l for l, s in run.selections.items() if s.low_rank == D] == [1, 2]  # the routed layers
     assert torch.allclose(full, ref, atol=1e-4)
-    low, _ = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=2))
+    low, _ = logits_along(loaded, inputs, [5, 9, 11], HTSparse(heads_full=1, heads_sparse=1, eta=0.5, low_rank=2, by_group=False))
     assert not torch.allclose(low, ref, atol=1e-4)  # rank 2 of 32 really changes the scores
-    s_full = Settings(heads_full=1, heads_sparse=1, eta=0.5)
-    s_low = Settings(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D // 4)
+    s_full = Settings(heads_full=1, heads_sparse=1, eta=0.5, ht_by_group=False)
+    s_low = Settings(heads_full=1, heads_sparse=1, eta=0.5, low_rank=D // 4, ht_by_group=False)
     a = compare(loaded, inputs, ["htsparse"], s_full, max_new_tokens=4)["htsparse"].extra
     b = compare(loaded, inputs, ["htsparse"], s_low, max_new_tokens=4)["htsparse"].extra
     assert b["decode_flops_pct"] < a["decode_flops_pct"]
@@ -303,3 +303,16 @@ def test_cli_run_json_reports_htsparse_figures(tiny_model_dir, frames, tmp_path,
               "peak_memory_pct", "kv_ratio", "speedup"):
         assert isinstance(ht[k], (int, float)), k
     assert ht["decode_kv_pct"] < 100 and ht["kv_ratio"] < 1
+
+
+def test_default_partitions_whole_groups_so_kv_shrinks(tiny):
+    """Default (by_group): with h_f = 25 % one whole GQA group is full and the other sparse, so in
+    every routed layer one KV head keeps only text + selected tokens."""
+    loaded, inputs = tiny
+    res = compare(loaded, inputs, ["htsparse"], Settings(), max_new_tokens=4)["htsparse"]
+    G = loaded.num_heads // loaded.num_kv_heads
+    for layer in res.trace["routed_layers"]:
+        roles = res.trace["roles"][layer].view(loaded.num_kv_heads, G)
+        assert all(len(set(r.tolist())) == 1 for r in roles)  # one role per group
+        lengths = res.trace["kv_lengths"][layer]
+        assert lengths.max() == inputs.m and lengths.min() < inputs.m
