@@ -82,19 +82,20 @@ def bench_main(args) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    def f(v, pct=False):
+    def f(v, kind=""):
         if v is None:
             return "-"
         if isinstance(v, bool):
             return "yes" if v else "NO"
-        return f"{v:.0%}" if pct else f"{v:.2f}"
+        return {"pct": f"{v:.0%}", "x": f"{v:.2f}x"}.get(kind, f"{v:.2f}")
 
-    lines = ["| frames | visual tokens | method | speedup | acceptance | tokens/round | identical | KV vs dense | I/O-model speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| frames | visual tokens | method | tokens | decode speedup | end-to-end | acceptance | tokens/round | "
+             "identical | KV vs dense | I/O-model speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['frames']} | {r['visual_tokens']} | {r['method']} | {f(r['speedup'])}x | "
-                     f"{f(r['acceptance'], True)} | {f(r['tokens_per_round'])} | {f(r['identical_to_dense'])} | "
-                     f"{f(r['kv_ratio'], True)} | {f(r['predicted_speedup'])}x |")
+        lines.append(f"| {r['frames']} | {r['visual_tokens']} | {r['method']} | {r.get('tokens', '-')} | "
+                     f"{f(r['speedup'], 'x')} | {f(r.get('e2e_speedup'), 'x')} | {f(r['acceptance'], 'pct')} | "
+                     f"{f(r['tokens_per_round'])} | {f(r['identical_to_dense'])} | {f(r['kv_ratio'], 'pct')} | "
+                     f"{f(r['predicted_speedup'], 'x')} |")
     return "\n".join(lines)
 
 
