@@ -14,7 +14,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m sparsevid.toy")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    tr = sub.add_parser("train", help="train the toy model from scratch (about 60 min on 2 CPU cores)")
+    tr = sub.add_parser("train", help="train the toy model from scratch (about 75 min on 2 CPU cores)")
     tr.add_argument("--out", default=DEFAULT_MODEL_DIR)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=2)
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **TINY)
         elif a.scale != 1.0:
             cfg = replace(cfg, stage1_steps=int(cfg.stage1_steps * a.scale),
-                          stage2_steps=int(cfg.stage2_steps * a.scale), stage3_steps=int(cfg.stage3_steps * a.scale))
+                          stage2_steps=int(cfg.stage2_steps * a.scale), stage3_steps=int(cfg.stage3_steps * a.scale),
+                          stage4_steps=int(cfg.stage4_steps * a.scale))
         info = train(cfg, a.out)
         print(json.dumps(info))
         return 0
