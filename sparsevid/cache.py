@@ -161,7 +161,11 @@ class SparseKV:
         for K in sorted(set(lens), reverse=True):
             heads = [g for g in range(Hkv) if lens[g] == K]
             self.blocks.append(_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G))
-        self.uniform = len(self.blocks) == 1
+
+    @property
+    def uniform(self) -> bool:
+        """Every KV head keeps the same number of prompt entries: one block, one attention call."""
+        return len(self.blocks) == 1
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""

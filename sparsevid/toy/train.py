@@ -274,36 +274,42 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
                             dir=f"{accs[2]:.2f}", ph=f"{accs[3]:.2f}")
             print(f"[s1 {step}] aux {la.item():.4f} acc c/s/d/p {accs} t={time.time()-t0:.0f}s", flush=True)
 
+    def answer_step(data_stage: int, rng, frac: float, aux, opt, params, lr: float, att_weight: float):
+        """One step of answer training (stages 2-4) on a batch drawn as in `data_stage` -> its losses."""
+        T, bs, p1 = _batch_spec(rng, cfg, data_stage, frac)
+        encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
+        for g in opt.param_groups:
+            g["lr"] = lr
+        out, lg = forward_with_grounding(model, collate(encs, pad, vid), encs, cfg.grounded_heads)
+        la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
+        (out.loss + cfg.aux_weight * la + att_weight * lg).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step(); opt.zero_grad(set_to_none=True)
+        return {"T": T, "bs": bs, "lm": out.loss.item(), "aux": la.item(), "att": lg.item(), "acc": accs}
+
+    ema = None
+
+    def log(stage: int, k: int, rec: dict, lr: float) -> None:
+        nonlocal ema
+        hist.append({"stage": stage, "step": k, **{kk: rec[kk] for kk in ("T", "lm", "aux", "att")}})
+        ema = {kk: rec[kk] if ema is None else 0.95 * ema[kk] + 0.05 * rec[kk] for kk in ("lm", "aux", "att")}
+        bar.update(1)
+        if k % log_every == 0:
+            bar.set_postfix(stage=stage, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
+            print(f"[s{stage} {k}] T={rec['T']} bs={rec['bs']} lm {ema['lm']:.4f} aux {ema['aux']:.4f} "
+                  f"att {ema['att']:.4f} acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} "
+                  f"t={time.time()-t0:.0f}s", flush=True)
+
     # ---- stages 2 and 3: everything
     params = list(model.parameters()) + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     n23 = cfg.stage2_steps + cfg.stage3_steps
-    ema = None
     for k in range(n23):
         stage = 2 if k < cfg.stage2_steps else 3
-        frac = k / max(1, cfg.stage2_steps)
-        rng = np.random.default_rng([cfg.seed, stage, k])
-        T, bs, p1 = _batch_spec(rng, cfg, stage, frac)
-        encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
-        batch = collate(encs, pad, vid)
-        warm = min(1.0, (k + 1) / cfg.warmup)
-        lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n23)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        out, lg = forward_with_grounding(model, batch, encs, cfg.grounded_heads)
-        la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
-        loss = out.loss + cfg.aux_weight * la + cfg.att_weight * lg
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
-        rec = {"stage": stage, "step": k, "T": T, "lm": out.loss.item(), "aux": la.item(), "att": lg.item()}
-        hist.append(rec)
-        ema = rec if ema is None else {kk: (0.95 * ema[kk] + 0.05 * rec[kk]) if kk in ("lm", "aux", "att") else rec[kk] for kk in rec}
-        bar.update(1)
-        if k % log_every == 0:
-            bar.set_postfix(stage=stage, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
-            print(f"[s{stage} {k}] T={T} bs={bs} lm {ema['lm']:.4f} aux {ema['aux']:.4f} att {ema['att']:.4f} "
-                  f"acc {[round(a, 2) for a in accs]} lr {lr:.2e} t={time.time()-t0:.0f}s", flush=True)
+        lr = cfg.lr * min(1.0, (k + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n23)))
+        rec = answer_step(stage, np.random.default_rng([cfg.seed, stage, k]), k / max(1, cfg.stage2_steps),
+                          aux, opt, params, lr, cfg.att_weight)
+        log(stage, k, rec, lr)
         if cfg.ckpt_every and (k + 1) % cfg.ckpt_every == 0:
             val = quick_val(model, tok, special)
             if stage == 3:
@@ -318,27 +324,10 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
     params = list(model.parameters()) + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr4, weight_decay=0.01)
     for k in range(cfg.stage4_steps):
-        stage = 3 if k % 4 == 0 else 2
-        rng = np.random.default_rng([cfg.seed, 7, k])
-        T, bs, p1 = _batch_spec(rng, cfg, stage, 1.0)
-        encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
-        batch = collate(encs, pad, vid)
-        out, lg = forward_with_grounding(model, batch, encs, cfg.grounded_heads)
-        la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
         lr = cfg.lr4 * min(1.0, (k + 1) / 50) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / cfg.stage4_steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        (out.loss + la + cfg.att_weight4 * lg).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
-        rec = {"stage": 4, "step": k, "T": T, "lm": out.loss.item(), "aux": la.item(), "att": lg.item()}
-        hist.append(rec)
-        ema = {kk: (0.95 * ema[kk] + 0.05 * rec[kk]) if kk in ("lm", "aux", "att") else rec[kk] for kk in rec}
-        bar.update(1)
-        if k % log_every == 0:
-            bar.set_postfix(stage=4, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
-            print(f"[s4 {k}] T={T} bs={bs} lm {ema['lm']:.4f} aux {ema['aux']:.4f} att {ema['att']:.4f} "
-                  f"lr {lr:.2e} t={time.time()-t0:.0f}s", flush=True)
+        rec = answer_step(3 if k % 4 == 0 else 2, np.random.default_rng([cfg.seed, 7, k]), 1.0,
+                          aux, opt, params, lr, cfg.att_weight4)
+        log(4, k, rec, lr)
     bar.close()
     hook.remove()
     dur = time.time() - t0
