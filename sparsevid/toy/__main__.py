@@ -14,7 +14,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m sparsevid.toy")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    tr = sub.add_parser("train", help="train the toy model from scratch (about 75 min on 2 CPU cores)")
+    tr = sub.add_parser("train", help="train the toy model from scratch (about 80 min on 2 CPU cores)")
     tr.add_argument("--out", default=DEFAULT_MODEL_DIR)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=2)

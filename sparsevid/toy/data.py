@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .clips import COLOURS, DIRECTIONS, SHAPES, Clip, phase_of
+from .clips import COLOURS, DIRECTIONS, PHASES, SHAPES, Clip, phase_of
 from .model import MERGE, PATCH, preprocess_frames, prompt_ids
 from .questions import Sample
 
@@ -24,6 +24,7 @@ class Encoded:
     prompt_len: int
     aux: np.ndarray  # [n_visual, 4]: colour, shape, direction (0 = none), phase
     target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
+    readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
 
 
 def _pad_time(a: np.ndarray, tp: int = 2) -> np.ndarray:
@@ -67,6 +68,20 @@ def target_cells(sample: Sample, gt: int, mh: int, mw: int) -> np.ndarray:
     return m.reshape(-1)
 
 
+def readout_labels(sample: Sample) -> np.ndarray:
+    """What the answer position should know about the asked object, whatever the question:
+    colour+1, shape+1, direction+1 and phase (-100 where undefined: count questions, the phase of
+    an object visible throughout)."""
+    out = np.full(4, -100, dtype=np.int64)
+    if sample.obj_id is None:
+        return out
+    o = sample.clip.obj(sample.obj_id)
+    out[:3] = (COLOURS.index(o.colour) + 1, SHAPES.index(o.shape) + 1, DIRECTIONS.index(o.direction) + 1)
+    if not o.full:
+        out[3] = PHASES.index(o.phase)
+    return out
+
+
 def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
     pv, thw = preprocess_frames(sample.clip.frames)
     gt, gh, gw = (int(v) for v in thw[0])
@@ -81,7 +96,7 @@ def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Enco
         labels = labels + ans
     vs = ids.index(special["<|video_pad|>"])
     return Encoded(ids, labels, pv, thw, vs, nv, plen, token_labels(sample.clip, gt, mh, mw),
-                   target_cells(sample, gt, mh, mw))
+                   target_cells(sample, gt, mh, mw), readout_labels(sample))
 
 
 def collate(encs: list[Encoded], pad_id: int, video_id: int) -> dict:

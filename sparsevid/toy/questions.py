@@ -9,7 +9,7 @@ Question forms the toy model understands ({ref} is "the {colour} object", "the {
 - count:     "How many objects are there?" / "How many shapes are in the video?"       -> "three"
 - when:      "When does {ref} appear?" / "When is {ref} visible?"                      -> "beginning"
 - describe:  "Describe {ref}." / "What does {ref} do?"
-             -> "The red circle moves from left to right at the beginning of the video."
+             -> "The red circle moves to the right at the beginning of the video."
 """
 from __future__ import annotations
 
@@ -22,10 +22,9 @@ from .clips import COLOURS, DIRECTIONS, PHASES, SHAPES, Clip, make_clip
 
 QTYPES = ["colour", "shape", "direction", "count", "when", "describe"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six"]
-DIR_PHRASE = {
-    "right": "from left to right", "left": "from right to left",
-    "down": "from top to bottom", "up": "from bottom to top",
-}
+# One content word per direction: with "from left to right" the model retrieved the direction
+# twice and its two halves disagreed ("from left to bottom").
+DIR_PHRASE = {"right": "to the right", "left": "to the left", "down": "to the bottom", "up": "to the top"}
 PHASE_PHRASE = {
     "beginning": "at the beginning of the video", "middle": "in the middle of the video",
     "end": "at the end of the video",

@@ -6,10 +6,13 @@ temporary linear head on the merged visual tokens.
 Stage 2: answer training (cross-entropy on the answer tokens) with the auxiliary loss kept on,
 the vision tower trainable, and a grounding loss on the query heads of KV groups 0 and 1 in
 layers 1.. that asks the answer-producing positions to put their visual attention on the asked
-object's tokens. Single-object clips early (curriculum), short clips mostly.
+object's tokens, and a read-out loss that asks the last prompt position to know every attribute of
+the asked object (colour, shape, direction, phase), whatever the question names. Single-object
+clips early (curriculum), short clips mostly.
 Stage 3: the same, with long clips (48-256 frames) mixed in.
-Stage 4: the same mix (a quarter of the steps with stage-3 clips), a fresh optimizer at a lower
-learning rate and a 3x grounding weight, so the answer rows look at the asked object more sharply.
+Stage 4: the same mix (half of the steps with stage-3 clips), a fresh optimizer at a lower
+learning rate and a higher grounding weight (3 instead of 2), so the answer rows look at the
+asked object more sharply.
 The language model trains with its own attention function (`_train_attention`: causal SDPA plus
 the grounding loss of the answer rows), so no [B, H, L, L] attention map is ever materialised.
 The auxiliary heads are dropped: the saved folder is a plain Qwen2-VL checkpoint.
@@ -47,9 +50,9 @@ class TrainConfig:
     rope_theta: float = 1e6  # as Qwen2-VL's checkpoints: most rotary pairs turn slowly, free for content
     grounded_heads: tuple = (0, 1, 2, 3)  # query heads (KV groups 0 and 1) the grounding loss trains
     stage1_steps: int = 2500
-    stage2_steps: int = 3500
-    stage3_steps: int = 1000
-    stage4_steps: int = 1400  # sharper grounding: 3x grounding weight, lower learning rate
+    stage2_steps: int = 3300
+    stage3_steps: int = 1600
+    stage4_steps: int = 1200  # sharper grounding: grounding weight att_weight4, lower learning rate
     att_weight4: float = 3.0
     lr4: float = 5e-4
     short_tokens: int = 2600  # visual tokens per batch for short clips
@@ -59,7 +62,8 @@ class TrainConfig:
     vision_zero_init: bool = False  # zero-init the vision blocks' residual branches (measured: no gain)
     warmup: int = 100
     aux_weight: float = 1.0
-    att_weight: float = 1.0
+    att_weight: float = 2.0
+    readout_weight: float = 1.0  # object read-out loss at the answer position (stages 2-4)
     long_prob: float = 0.5  # share of stage-3 steps with long clips
     single_start: float = 0.6  # probability of a single-object clip at the start of stage 2
     single_end: float = 0.15
@@ -96,6 +100,17 @@ class AuxHeads(torch.nn.Module):
         losses.append(F.cross_entropy(lp, aux[:, 3]))
         accs.append((lp.argmax(-1) == aux[:, 3]).float().mean().item())
         return sum(losses) / len(losses), accs
+
+
+def readout_loss(heads: AuxHeads, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every attribute of the asked object (colour, shape, direction, phase)
+    read linearly from the last prompt position's final hidden state. h: [B, hidden],
+    labels: [B, 4] (-100 = undefined). Asks the answer position to fetch the whole object, not only
+    the attribute the question names: four targets per sample instead of one."""
+    losses = [F.cross_entropy(head(h), labels[:, k], ignore_index=-100)
+              for k, head in enumerate([heads.colour, heads.shape, heads.direction, heads.phase])
+              if (labels[:, k] >= 0).any()]
+    return torch.stack(losses).mean() if losses else h.sum() * 0.0
 
 
 def build_tokenizer_and_model(cfg: TrainConfig):
@@ -194,12 +209,12 @@ def grounding_items(encs) -> list:
     return out
 
 
-def forward_with_grounding(model, batch, encs, heads):
+def forward_with_grounding(model, batch, encs, heads, **kwargs):
     """One training forward -> (output, grounding loss = mean over samples, layers 1.. and heads of
     -log(share of the answer rows' visual attention on the asked object's tokens))."""
     _GROUND.update(items=grounding_items(encs), heads=tuple(heads), losses=[])
     try:
-        out = model(**batch)
+        out = model(**batch, **kwargs)
         losses = _GROUND["losses"]
         return out, (torch.stack(losses).mean() if losses else torch.zeros(()))
     finally:
@@ -280,28 +295,37 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
         for g in opt.param_groups:
             g["lr"] = lr
-        out, lg = forward_with_grounding(model, collate(encs, pad, vid), encs, cfg.grounded_heads)
+        out, lg = forward_with_grounding(model, collate(encs, pad, vid), encs, cfg.grounded_heads,
+                                         output_hidden_states=cfg.readout_weight > 0)
         la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
-        (out.loss + cfg.aux_weight * la + att_weight * lg).backward()
+        loss = out.loss + cfg.aux_weight * la + att_weight * lg
+        lro = torch.zeros(())
+        if cfg.readout_weight > 0:
+            h = out.hidden_states[-1][torch.arange(len(encs)), [e.prompt_len - 1 for e in encs]]
+            lro = readout_loss(readout, h, torch.from_numpy(np.stack([e.readout for e in encs])))
+            loss = loss + cfg.readout_weight * lro
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step(); opt.zero_grad(set_to_none=True)
-        return {"T": T, "bs": bs, "lm": out.loss.item(), "aux": la.item(), "att": lg.item(), "acc": accs}
+        return {"T": T, "bs": bs, "lm": out.loss.item(), "aux": la.item(), "att": lg.item(), "ro": lro.item(),
+                "acc": accs}
 
     ema = None
 
     def log(stage: int, k: int, rec: dict, lr: float) -> None:
         nonlocal ema
-        hist.append({"stage": stage, "step": k, **{kk: rec[kk] for kk in ("T", "lm", "aux", "att")}})
-        ema = {kk: rec[kk] if ema is None else 0.95 * ema[kk] + 0.05 * rec[kk] for kk in ("lm", "aux", "att")}
+        hist.append({"stage": stage, "step": k, **{kk: rec[kk] for kk in ("T", "lm", "aux", "att", "ro")}})
+        ema = {kk: rec[kk] if ema is None else 0.95 * ema[kk] + 0.05 * rec[kk] for kk in ("lm", "aux", "att", "ro")}
         bar.update(1)
         if k % log_every == 0:
             bar.set_postfix(stage=stage, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
             print(f"[s{stage} {k}] T={rec['T']} bs={rec['bs']} lm {ema['lm']:.4f} aux {ema['aux']:.4f} "
-                  f"att {ema['att']:.4f} acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} "
+                  f"att {ema['att']:.4f} ro {ema['ro']:.4f} acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} "
                   f"t={time.time()-t0:.0f}s", flush=True)
 
     # ---- stages 2 and 3: everything
-    params = list(model.parameters()) + list(aux.parameters())
+    readout = AuxHeads(cfg.hidden)  # read-out heads at the answer position (dropped at save)
+    params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     n23 = cfg.stage2_steps + cfg.stage3_steps
     for k in range(n23):
@@ -317,22 +341,22 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
             print(f"[val {k}] {val} t={time.time()-t0:.0f}s", flush=True)
             save_model(model, tok_obj, os.path.join(out_dir, "checkpoint"), cfg, {"step": k, "val": val})
 
-    # ---- stage 4: the same data mix (a quarter of the steps as stage 3), fresh optimizer and
-    # auxiliary heads, 3x grounding weight: the answer rows put more of their attention on the
+    # ---- stage 4: the same data mix (half of the steps as stage 3), fresh optimizer and
+    # auxiliary heads, grounding weight 3: the answer rows put more of their attention on the
     # asked object, so its weakest feature (shape) is less diluted.
     aux = AuxHeads(cfg.hidden)
-    params = list(model.parameters()) + list(aux.parameters())
+    params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr4, weight_decay=0.01)
     for k in range(cfg.stage4_steps):
         lr = cfg.lr4 * min(1.0, (k + 1) / 50) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / cfg.stage4_steps)))
-        rec = answer_step(3 if k % 4 == 0 else 2, np.random.default_rng([cfg.seed, 7, k]), 1.0,
+        rec = answer_step(3 if k % 2 == 0 else 2, np.random.default_rng([cfg.seed, 7, k]), 1.0,
                           aux, opt, params, lr, cfg.att_weight4)
         log(4, k, rec, lr)
     bar.close()
     hook.remove()
     dur = time.time() - t0
     last = [h for h in hist if h["stage"] != 1][-50:]
-    final = {kk: float(np.mean([h[kk] for h in last])) for kk in ("lm", "aux", "att")} if last else {}
+    final = {kk: float(np.mean([h[kk] for h in last])) for kk in ("lm", "aux", "att", "ro")} if last else {}
     val = quick_val(model, tok, special) if n23 > 10 else {}
     info = {"duration_s": round(dur, 1), "final_loss": final, "val": val, "steps": total}
     save_model(model, tok_obj, out_dir, cfg, info)
