@@ -544,7 +544,7 @@ class SparseMM:
     mean over those rows), so they never reach into the visual span (SPEC §1: the query tokens guide
     every selection); with w or more query tokens it is SnapKV's last w rows. "window": always the
     last w rows, as the official code.
-    Defaults measured on the embedded model's long clips (validation seeds, not the eval's): the
+    Defaults measured on the first embedded model's long clips (validation seeds, not the eval's): the
     paper's ρ = 0.1 with w = 32 rows reaching into the video answered 85 % of questions as dense did,
     observe="query" 92 %, with ρ = 0.5 97 % (uniform scores: 98 %); ρ = 0.5 is the default.
     After a prefill, `caps` [L, Hkv] holds the budgets used.
