@@ -6,6 +6,7 @@ caches are held). `speculative.py` reuses `prefill` and `step` for drafts verifi
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -104,11 +105,32 @@ def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=Non
     return Run(cache, loaded.num_heads, inputs.visual_positions, inputs.query_start, policy, keep_stats)
 
 
+def align_mrope_decode(model, model_kwargs: dict) -> None:
+    """M-RoPE models (Qwen2-VL, Qwen2.5-VL): make the tokens fed after the prompt continue from the
+    prompt's last position, as `generate` does and as one forward over prompt + answer does.
+
+    transformers' forward places a cached step at `cache length + rope_deltas`, with rope_deltas
+    taken from the largest position anywhere in the prompt; `get_rope_index` (transformers 5.x) puts
+    the text after a video at positions that can be far below the video's largest temporal index.
+    On a 256-frame clip the prompt ended at 31 and decoding went on at 143, not 32: multi-token
+    answers lost words. Rewrites `model.model.rope_deltas` [B, 1] from the prompt's own positions.
+    No-op for other models."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "rope_deltas", None) is None or not hasattr(inner, "get_rope_index"):
+        return
+    params = inspect.signature(inner.get_rope_index).parameters
+    kw = {k: v for k, v in model_kwargs.items() if k in params and k != "input_ids"}
+    ids = model_kwargs["input_ids"]
+    pos, _ = inner.get_rope_index(ids, **kw)  # [3, B, L]
+    inner.rope_deltas = (pos[:, :, -1].amax(0) + 1 - ids.shape[1]).unsqueeze(1).to(inner.rope_deltas)
+
+
 @torch.inference_mode()
 def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
     """Run the prompt through the model, filling the caches. Returns the last position's logits [V]."""
     with active(run):
         out = loaded.model(**inputs.model_kwargs, past_key_values=run.cache, use_cache=True, logits_to_keep=1)
+    align_mrope_decode(loaded.model, inputs.model_kwargs)
     run.cache.finish_prefill(inputs.m)
     return out.logits[0, -1]
 

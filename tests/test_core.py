@@ -151,6 +151,22 @@ def test_dense_greedy_matches_generate(arch, tiny_loaded, video_inputs):
     assert res.kv_bytes == 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 4 * entries, c
 
 
+@pytest.mark.parametrize("arch_", ["qwen2_vl", "qwen2_5_vl"])
+def test_decode_continues_the_prompt_positions_on_long_videos(arch_, tiny_loaded):
+    """Many frames on a small grid (temporal index far above rows and columns): every decode
+    step's logits equal one forward over prompt + tokens, as `generate` and training see them.
+    transformers' own cached step placed the answer after the video's largest temporal index."""
+    loaded = tiny_loaded(arch_)
+    frames = np.random.RandomState(1).randint(0, 255, size=(48, 56, 56, 3)).astype(np.uint8)
+    inputs = loaded.adapter.build_inputs(frames, "what colour is the moving object ?")
+    t, rows, cols = inputs.grid
+    assert t > 2 * max(rows, cols)
+    tokens, logits, _ = run_steps(loaded, inputs, 6)
+    with text_attention(loaded.model, "sdpa"), torch.no_grad():
+        ref = loaded.model(**extended_kwargs(inputs, tokens[:-1]), use_cache=False).logits[0, inputs.m - 1:]
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_stops_at_max_new_tokens_and_streams(tiny_loaded, video_inputs):
     loaded, inputs = tiny_loaded("qwen2_vl"), video_inputs("qwen2_vl")
     seen = []
