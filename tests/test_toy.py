@@ -163,3 +163,18 @@ def test_training_runs_end_to_end_on_tiny_settings(tmp_path):
     special = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|video_pad|>", "<|vision_end|>",
                                                          "<|im_end|>", "<|endoftext|>")}
     assert isinstance(answer(model, tok, special, s.clip.frames, s.question, max_new_tokens=3), str)
+
+
+def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
+    _shipped()
+    from sparsevid.toy.evaluate import evaluate, ref_kind
+
+    assert ref_kind(make_sample(1, 8, "shape")) == "colour"  # "What shape is the red object?"
+    assert ref_kind(make_sample(1, 8, "colour")) == "shape"  # "What colour is the circle?"
+    assert ref_kind(make_sample(1, 8, "count")) is None
+    res = evaluate(DEFAULT_MODEL_DIR, n=12, frames=[8], methods=["dense"], threads=1, progress=False)
+    dense = res["accuracy"]["dense"]
+    assert dense["n"] == 12 and set(dense["by_type"]) == set(QTYPES)
+    assert set(dense["by_ref"]) <= {"colour", "shape", "both"} and {"colour", "shape"} <= set(dense["by_ref"])
+    assert 0.5 <= dense["overall"] <= 1.0  # the shipped model answers most held-out questions
+    assert 0.0 < res["attention"]["top10_mass"] <= 1.0 and 0.0 <= res["attention"]["box_hit_rate"] <= 1.0
