@@ -62,11 +62,11 @@ def main(argv=None) -> int:
         print(json.dumps(info))
         return 0
     if a.cmd == "eval":
-        from .evaluate import evaluate, format_report
+        from .evaluate import EVAL_SEED_BASE, evaluate, format_report
 
         res = evaluate(a.model, n=a.n, frames=[int(f) for f in a.frames.split(",") if f],
                        methods=[m for m in a.methods.split(",") if m], threads=a.threads,
-                       progress=not a.json, **({"seed_base": a.seed_base} if a.seed_base is not None else {}))
+                       progress=not a.json, seed_base=EVAL_SEED_BASE if a.seed_base is None else a.seed_base)
         if a.json:
             print(json.dumps(res))
         else:

@@ -3,7 +3,8 @@
 Clips come from seeds >= 1e9 + 7e8 (training uses seeds < 1e9, its quick validation 1.5e9..;
 `seed_base` picks another held-out range, for choosing between recipes without tuning on the
 reported clips), question types cycle evenly. Accuracy is reported per method, question type, clip
-length and by how the question names its object (`by_ref`: colour / shape / both). Attention figures come from the dense prefill:
+length and by how the question names its object (`by_ref`: colour / shape / both). Attention
+figures come from the dense prefill:
 
 - relevance r[l, g, j]: attention of the query tokens (positions after the last visual token)
   to visual token j, softmax over all keys, averaged over query tokens, summed over the query
@@ -52,7 +53,7 @@ def ref_kind(s) -> str | None:
     (the red circle); None for count questions."""
     if s.obj_id is None:
         return None
-    words = s.question.lower().rstrip("?.").split()
+    words = normalise(s.question).split()
     o = s.clip.obj(s.obj_id)
     c, sh = o.colour in words, o.shape in words
     return "both" if c and sh else ("colour" if c else "shape")
@@ -187,6 +188,7 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
         texts, r, target, dt = runner(s)
         t_total += dt
         length = "short" if f <= SHORT_MAX else "long"
+        ref = ref_kind(s)
         for m, pred in texts.items():
             ok = normalise(pred) == normalise(s.answer)
             acc[m]["all"].append(ok)
@@ -194,8 +196,8 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
             acc[m][f"len:{length}"].append(ok)
             acc[m][f"frames:{f}"].append(ok)
             acc[m][f"{length}:{s.qtype}"].append(ok)
-            if ref_kind(s):
-                acc[m][f"ref:{ref_kind(s)}"].append(ok)
+            if ref:
+                acc[m][f"ref:{ref}"].append(ok)
             if m != "dense":
                 acc[m]["same_as_dense"].append(normalise(pred) == normalise(texts["dense"]))
             if m == "dense":
