@@ -165,6 +165,32 @@ def test_training_runs_end_to_end_on_tiny_settings(tmp_path):
     assert isinstance(answer(model, tok, special, s.clip.frames, s.question, max_new_tokens=3), str)
 
 
+def test_a_fresh_language_model_keeps_its_grounding_loss_through_a_checkpoint_save(tmp_path):
+    """The two-pass recipe re-initialises the language model mid-training; the checkpoint save that
+    follows (it switches the attention implementation to sdpa and back) must leave the training
+    attention, and with it the grounding loss, on."""
+    from dataclasses import replace
+
+    import torch
+
+    from sparsevid.toy.data import collate, encode
+    from sparsevid.toy.train import (TINY, TrainConfig, build_tokenizer_and_model, forward_with_grounding,
+                                     fresh_language_model, save_model)
+
+    cfg = replace(TrainConfig(seed=1, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2), **TINY)
+    tok_obj, tok, special, model = build_tokenizer_and_model(cfg)
+    before = model.model.language_model.layers[0].self_attn.q_proj.weight.clone()
+    vision = model.model.visual.merger.ln_q.weight.clone()
+    fresh_language_model(model, 2)
+    assert not torch.equal(before, model.model.language_model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(vision, model.model.visual.merger.ln_q.weight)
+    save_model(model, tok_obj, str(tmp_path / "ck"), cfg)
+    encs = [encode(make_sample(s, 8, "shape"), tok, special) for s in range(3)]
+    _, lg = forward_with_grounding(model, collate(encs, special["<|endoftext|>"], special["<|video_pad|>"]),
+                                   encs, cfg.grounded_heads)
+    assert lg.item() > 0
+
+
 def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
     _shipped()
     from sparsevid.toy.evaluate import evaluate, ref_kind

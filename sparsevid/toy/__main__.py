@@ -19,6 +19,8 @@ def main(argv=None) -> int:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=2)
     tr.add_argument("--tiny", action="store_true", help="a few steps on tiny settings (smoke test)")
+    tr.add_argument("--two-pass", action="store_true",
+                    help="train the vision tower with a first language model, then a fresh one (experimental)")
     tr.add_argument("--scale", type=float, default=1.0, help="multiply the number of steps")
     ev = sub.add_parser("eval", help="held-out accuracy and attention figures")
     ev.add_argument("--model", default=DEFAULT_MODEL_DIR)
@@ -49,15 +51,18 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import TINY, TrainConfig, train
+        from .train import TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads)
+        if a.two_pass:
+            cfg = replace(cfg, **TWO_PASS)
         if a.tiny:
             cfg = replace(cfg, **TINY)
         elif a.scale != 1.0:
-            cfg = replace(cfg, stage1_steps=int(cfg.stage1_steps * a.scale),
-                          stage2_steps=int(cfg.stage2_steps * a.scale), stage3_steps=int(cfg.stage3_steps * a.scale),
-                          stage4_steps=int(cfg.stage4_steps * a.scale))
+            scale = lambda n: int(n * a.scale)  # noqa: E731
+            cfg = replace(cfg, stage1_steps=scale(cfg.stage1_steps), tower_steps=tuple(map(scale, cfg.tower_steps)),
+                          stage2_steps=scale(cfg.stage2_steps), stage3_steps=scale(cfg.stage3_steps),
+                          stage4_steps=scale(cfg.stage4_steps))
         info = train(cfg, a.out)
         print(json.dumps(info))
         return 0

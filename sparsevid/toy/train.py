@@ -3,6 +3,8 @@
 Stage 1: vision tower alone, per-visual-token auxiliary loss (colour, shape, direction of the
 object under each merged token, and the clip third the token's frames lie in) through a
 temporary linear head on the merged visual tokens.
+Tower pass: stages 2-4 below at a smaller scale with a first language model, which is then
+replaced by a freshly initialised one; the vision tower keeps what it learned.
 Stage 2: answer training (cross-entropy on the answer tokens) with the auxiliary loss kept on,
 the vision tower trainable, and a grounding loss on the query heads of KV groups 0 and 1 in
 layers 1.. that asks the answer-producing positions to put their visual attention on the asked
@@ -50,6 +52,7 @@ class TrainConfig:
     rope_theta: float = 1e6  # as Qwen2-VL's checkpoints: most rotary pairs turn slowly, free for content
     grounded_heads: tuple = (0, 1, 2, 3)  # query heads (KV groups 0 and 1) the grounding loss trains
     stage1_steps: int = 2500
+    tower_steps: tuple = (0, 0, 0)  # stages 2-4 with a throwaway language model first (TWO_PASS, see train)
     stage2_steps: int = 3300
     stage3_steps: int = 1600
     stage4_steps: int = 1200  # sharper grounding: grounding weight att_weight4, lower learning rate
@@ -74,8 +77,11 @@ class TrainConfig:
     long_frames: tuple = (48, 64, 96, 128, 192, 256)
 
 
-TINY = dict(stage1_steps=2, stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300, long_tokens=900,
-            ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
+# The two-pass recipe (not the shipped one yet): a tower pass, then a fresh language model; about
+# 80 min on 2 cores like the default. See `train` and the model card.
+TWO_PASS = dict(stage1_steps=1500, tower_steps=(1400, 800, 500), stage2_steps=2100, stage3_steps=1000, stage4_steps=900)
+TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
+            long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
 
 
 class AuxHeads(torch.nn.Module):
@@ -111,6 +117,20 @@ def readout_loss(heads: AuxHeads, h: torch.Tensor, labels: torch.Tensor) -> torc
               for k, head in enumerate([heads.colour, heads.shape, heads.direction, heads.phase])
               if (labels[:, k] >= 0).any()]
     return torch.stack(losses).mean() if losses else h.sum() * 0.0
+
+
+def fresh_language_model(model, seed: int) -> None:
+    """Replace `model`'s language model and LM head by freshly initialised ones (from `seed`); the
+    vision tower stays."""
+    import copy
+
+    torch.manual_seed(seed)
+    new = type(model)._from_config(copy.deepcopy(model.config))
+    # Copy the weights into the existing modules: swapping the modules in would leave them on a
+    # copy of the config, which `save_model`'s switch of attention implementation does not reach
+    # (the checkpoint save silently turned the grounding loss off).
+    model.model.language_model.load_state_dict(new.model.language_model.state_dict())
+    model.lm_head.load_state_dict(new.lm_head.state_dict())
 
 
 def build_tokenizer_and_model(cfg: TrainConfig):
@@ -262,7 +282,7 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
     grab = {}
     hook = model.model.visual.merger.register_forward_hook(lambda m, i, o: grab.__setitem__("v", o))
     pad, vid = special["<|endoftext|>"], special["<|video_pad|>"]
-    total = cfg.stage1_steps + cfg.stage2_steps + cfg.stage3_steps + cfg.stage4_steps
+    total = cfg.stage1_steps + sum(cfg.tower_steps) + cfg.stage2_steps + cfg.stage3_steps + cfg.stage4_steps
     bar = tqdm(total=total, desc="toy train", disable=not progress, mininterval=2.0)
     hist = []
 
@@ -289,7 +309,7 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
                             dir=f"{accs[2]:.2f}", ph=f"{accs[3]:.2f}")
             print(f"[s1 {step}] aux {la.item():.4f} acc c/s/d/p {accs} t={time.time()-t0:.0f}s", flush=True)
 
-    def answer_step(data_stage: int, rng, frac: float, aux, opt, params, lr: float, att_weight: float):
+    def answer_step(data_stage: int, rng, frac: float, aux, opt, params, lr: float, att_weight: float, readout):
         """One step of answer training (stages 2-4) on a batch drawn as in `data_stage` -> its losses."""
         T, bs, p1 = _batch_spec(rng, cfg, data_stage, frac)
         encs = [encode(s, tok, special) for s in _samples(rng, T, bs, p1)]
@@ -312,7 +332,7 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
 
     ema = None
 
-    def log(stage: int, k: int, rec: dict, lr: float) -> None:
+    def log(stage, k: int, rec: dict, lr: float) -> None:
         nonlocal ema
         hist.append({"stage": stage, "step": k, **{kk: rec[kk] for kk in ("T", "lm", "aux", "att", "ro")}})
         ema = {kk: rec[kk] if ema is None else 0.95 * ema[kk] + 0.05 * rec[kk] for kk in ("lm", "aux", "att", "ro")}
@@ -323,35 +343,48 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
                   f"att {ema['att']:.4f} ro {ema['ro']:.4f} acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} "
                   f"t={time.time()-t0:.0f}s", flush=True)
 
-    # ---- stages 2 and 3: everything
-    readout = AuxHeads(cfg.hidden)  # read-out heads at the answer position (dropped at save)
-    params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-    n23 = cfg.stage2_steps + cfg.stage3_steps
-    for k in range(n23):
-        stage = 2 if k < cfg.stage2_steps else 3
-        lr = cfg.lr * min(1.0, (k + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n23)))
-        rec = answer_step(stage, np.random.default_rng([cfg.seed, stage, k]), k / max(1, cfg.stage2_steps),
-                          aux, opt, params, lr, cfg.att_weight)
-        log(stage, k, rec, lr)
-        if cfg.ckpt_every and (k + 1) % cfg.ckpt_every == 0:
-            val = quick_val(model, tok, special)
-            if stage == 3:
-                val = {"16": val, "128": quick_val(model, tok, special, frames=128)}
-            print(f"[val {k}] {val} t={time.time()-t0:.0f}s", flush=True)
-            save_model(model, tok_obj, os.path.join(out_dir, "checkpoint"), cfg, {"step": k, "val": val})
+    def answer_training(n2: int, n3: int, n4: int, tags: tuple, label: str = "", ckpt: bool = False) -> None:
+        """Stages 2-4 with `n2`, `n3`, `n4` steps, batches drawn from seeds tagged `tags` (one per stage)."""
+        nonlocal aux
+        readout = AuxHeads(cfg.hidden)  # read-out heads at the answer position (dropped at save)
+        # ---- stages 2 and 3: everything, one cosine schedule
+        params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+        for k in range(n2 + n3):
+            stage = 2 if k < n2 else 3
+            lr = cfg.lr * min(1.0, (k + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / (n2 + n3))))
+            rec = answer_step(stage, np.random.default_rng([cfg.seed, tags[stage - 2], k]), k / max(1, n2),
+                              aux, opt, params, lr, cfg.att_weight, readout)
+            log(f"{stage}{label}", k, rec, lr)
+            if ckpt and cfg.ckpt_every and (k + 1) % cfg.ckpt_every == 0:
+                val = quick_val(model, tok, special)
+                if stage == 3:
+                    val = {"16": val, "128": quick_val(model, tok, special, frames=128)}
+                print(f"[val {k}] {val} t={time.time()-t0:.0f}s", flush=True)
+                save_model(model, tok_obj, os.path.join(out_dir, "checkpoint"), cfg, {"step": k, "val": val})
+        # ---- stage 4: the same data mix (half of the steps as stage 3), fresh optimizer and
+        # auxiliary heads, grounding weight 3: the answer rows put more of their attention on the
+        # asked object, so its weakest feature (shape) is less diluted.
+        aux = AuxHeads(cfg.hidden)
+        params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
+        opt = torch.optim.AdamW(params, lr=cfg.lr4, weight_decay=0.01)
+        for k in range(n4):
+            lr = cfg.lr4 * min(1.0, (k + 1) / 50) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / n4)))
+            rec = answer_step(3 if k % 2 == 0 else 2, np.random.default_rng([cfg.seed, tags[2], k]), 1.0,
+                              aux, opt, params, lr, cfg.att_weight4, readout)
+            log(f"4{label}", k, rec, lr)
 
-    # ---- stage 4: the same data mix (half of the steps as stage 3), fresh optimizer and
-    # auxiliary heads, grounding weight 3: the answer rows put more of their attention on the
-    # asked object, so its weakest feature (shape) is less diluted.
-    aux = AuxHeads(cfg.hidden)
-    params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr4, weight_decay=0.01)
-    for k in range(cfg.stage4_steps):
-        lr = cfg.lr4 * min(1.0, (k + 1) / 50) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * k / cfg.stage4_steps)))
-        rec = answer_step(3 if k % 2 == 0 else 2, np.random.default_rng([cfg.seed, 7, k]), 1.0,
-                          aux, opt, params, lr, cfg.att_weight4)
-        log(4, k, rec, lr)
+    # ---- tower pass: stages 2-4 at a smaller scale with a first language model, which is then
+    # replaced by a freshly initialised one (the vision tower keeps what it learned). Measured: a
+    # language model trained together with the tower from stage 1 latched onto the shape word and
+    # never learned to bind an object named by colour alone ("the red object": 0.72, shape
+    # questions 0.73); a fresh one on the fully trained tower did within 1200 steps (0.86, 0.93),
+    # a fresh one on a tower trained only 1200 steps of stage 2 did not (0.57, 0.43).
+    if any(cfg.tower_steps):
+        answer_training(*cfg.tower_steps, tags=(5, 6, 8), label="t")
+        fresh_language_model(model, cfg.seed + 1)
+    answer_training(cfg.stage2_steps, cfg.stage3_steps, cfg.stage4_steps, tags=(2, 3, 7), ckpt=True)
+    n23 = cfg.stage2_steps + cfg.stage3_steps
     bar.close()
     hook.remove()
     dur = time.time() - t0
