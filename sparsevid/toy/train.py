@@ -384,13 +384,12 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         answer_training(*cfg.tower_steps, tags=(5, 6, 8), label="t")
         fresh_language_model(model, cfg.seed + 1)
     answer_training(cfg.stage2_steps, cfg.stage3_steps, cfg.stage4_steps, tags=(2, 3, 7), ckpt=True)
-    n23 = cfg.stage2_steps + cfg.stage3_steps
     bar.close()
     hook.remove()
     dur = time.time() - t0
     last = [h for h in hist if h["stage"] != 1][-50:]
     final = {kk: float(np.mean([h[kk] for h in last])) for kk in ("lm", "aux", "att", "ro")} if last else {}
-    val = quick_val(model, tok, special) if n23 > 10 else {}
+    val = quick_val(model, tok, special) if cfg.stage2_steps + cfg.stage3_steps > 10 else {}
     info = {"duration_s": round(dur, 1), "final_loss": final, "val": val, "steps": total}
     save_model(model, tok_obj, out_dir, cfg, info)
     import shutil
