@@ -59,7 +59,9 @@ def main(argv=None) -> int:
         if a.tiny:
             cfg = replace(cfg, **TINY)
         elif a.scale != 1.0:
-            scale = lambda n: int(n * a.scale)  # noqa: E731
+            def scale(n: int) -> int:
+                return int(n * a.scale)
+
             cfg = replace(cfg, stage1_steps=scale(cfg.stage1_steps), tower_steps=tuple(map(scale, cfg.tower_steps)),
                           stage2_steps=scale(cfg.stage2_steps), stage3_steps=scale(cfg.stage3_steps),
                           stage4_steps=scale(cfg.stage4_steps))
