@@ -165,6 +165,29 @@ def test_training_runs_end_to_end_on_tiny_settings(tmp_path):
     assert isinstance(answer(model, tok, special, s.clip.frames, s.question, max_new_tokens=3), str)
 
 
+def test_drawing_batches_in_a_worker_process_changes_no_weight(tmp_path):
+    """Training draws its clips in a worker process ahead of the steps (`data_workers`); a batch
+    depends on its seed alone, so the weights must be bitwise those of drawing in the step. Covers a
+    tower pass through a shallower throwaway language model (`tower_layers`) too: the saved model
+    has all its layers."""
+    from dataclasses import replace
+
+    import torch
+    from safetensors.torch import load_file
+
+    from sparsevid.toy.train import TINY, TrainConfig, train
+
+    base = replace(TrainConfig(seed=2, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2), **TINY)
+    weights = []
+    for workers in (0, 1):
+        out = tmp_path / f"w{workers}"
+        train(replace(base, data_workers=workers, tower_layers=1), str(out), progress=False)
+        weights.append(load_file(str(out / "model.safetensors")))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert any(k.startswith("model.layers.1.") for k in weights[0])
+
+
 def test_a_fresh_language_model_keeps_its_grounding_loss_through_a_checkpoint_save(tmp_path):
     """The two-pass recipe re-initialises the language model mid-training; the checkpoint save that
     follows (it switches the attention implementation to sdpa and back) must leave the training
