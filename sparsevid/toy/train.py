@@ -383,7 +383,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
 
     def answer_training(n2: int, n3: int, n4: int, tags: tuple, label: str = "", ckpt: bool = False) -> None:
         """Stages 2-4 with `n2`, `n3`, `n4` steps, batches drawn from seeds tagged `tags` (one per stage)."""
-        nonlocal aux
+        nonlocal aux, ema
+        ema = None  # the logged running means start again with each language model
         readout = AuxHeads(cfg.hidden)  # read-out heads at the answer position (dropped at save)
         # ---- stages 2 and 3: everything, one cosine schedule
         params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
