@@ -81,9 +81,10 @@ class TrainConfig:
 
 
 # The two-pass recipe: stage 1, a full-length tower pass through the first 2 layers of the language
-# model (a 2-layer step costs 0.46 s against 0.67 s), then a fresh 4-layer language model through
-# shorter stages 2-4. (Its first version, a 2700-step tower pass with all 4 layers, was measured
-# worse than the one-pass recipe: 0.82 against 0.88 on the selection clips; model card.)
+# model (a 2-layer step costs 0.41 s against 0.60 s), then a fresh 4-layer language model through
+# shorter stages 2-4; 87 min on 2 cores. Not the shipped recipe: measured worse than the one-pass
+# recipe (0.79 against 0.88 on the selection clips; its first version, a 2700-step tower pass
+# through all 4 layers, 0.82; model card).
 TWO_PASS = dict(tower_steps=(3300, 1600, 1200), tower_layers=2, stage2_steps=1700, stage3_steps=800, stage4_steps=600)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
@@ -413,8 +414,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
             rec = answer_step(draw, aux, opt, params, lr, cfg.att_weight4, readout)
             log(f"4{label}", k, rec, lr)
 
-    # ---- tower pass: stages 2-4 at a smaller scale with a first language model, which is then
-    # replaced by a freshly initialised one (the vision tower keeps what it learned). Measured: a
+    # ---- tower pass: stages 2-4 with a first language model, which is then replaced by a freshly
+    # initialised one (the vision tower keeps what it learned). The lead it follows: a
     # language model trained together with the tower from stage 1 latched onto the shape word and
     # never learned to bind an object named by colour alone ("the red object": 0.72, shape
     # questions 0.73); a fresh one on the fully trained tower did within 1200 steps (0.86, 0.93),
