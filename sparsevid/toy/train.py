@@ -390,9 +390,9 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         # ---- stages 2 and 3: everything, one cosine schedule
         params = list(model.parameters()) + list(aux.parameters()) + list(readout.parameters())
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-        plan = [(tags[0], k, 2, k / max(1, n2)) if k < n2 else (tags[1], k, 3, k / max(1, n2)) for k in range(n2 + n3)]
-        for k, draw in enumerate(_draws(cfg, tok, special, plan)):
-            stage = 2 if k < n2 else 3
+        stages = [2 if k < n2 else 3 for k in range(n2 + n3)]
+        plan = [(tags[stage - 2], k, stage, k / max(1, n2)) for k, stage in enumerate(stages)]
+        for k, (stage, draw) in enumerate(zip(stages, _draws(cfg, tok, special, plan))):
             lr = cfg.lr * min(1.0, (k + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / (n2 + n3))))
             rec = answer_step(draw, aux, opt, params, lr, cfg.att_weight, readout)
             log(f"{stage}{label}", k, rec, lr)
