@@ -149,7 +149,8 @@ def test_training_runs_end_to_end_on_tiny_settings(tmp_path):
 
     from sparsevid.toy.train import TINY, TrainConfig, train
 
-    cfg = replace(TrainConfig(seed=1, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2), **TINY)
+    cfg = replace(TrainConfig(seed=1, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2,
+                              questions_per_clip=2), **TINY)  # (the worker test below covers one question)
     info = train(cfg, str(tmp_path / "m"), progress=False)
     assert np.isfinite(info["final_loss"]["lm"])
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "m"))
@@ -212,6 +213,42 @@ def test_a_fresh_language_model_keeps_its_grounding_loss_through_a_checkpoint_sa
     _, lg = forward_with_grounding(model, collate(encs, special["<|endoftext|>"], special["<|video_pad|>"]),
                                    encs, cfg.grounded_heads)
     assert lg.item() > 0
+
+
+def test_questions_packed_after_one_clip_score_as_if_each_were_asked_alone():
+    """`questions_per_clip`: several questions about one clip share its prefix in one training
+    sequence; each must see the prefix and itself only, at its own positions, so its logits and its
+    grounding loss are those of the question asked alone."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from sparsevid.toy.data import collate, encode, encode_many
+    from sparsevid.toy.questions import make_samples
+    from sparsevid.toy.tokenizer import SPECIAL_TOKENS
+    from sparsevid.toy.train import forward_with_grounding, register_train_attention
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    model = Qwen2VLForConditionalGeneration.from_pretrained(
+        DEFAULT_MODEL_DIR, attn_implementation={"text_config": register_train_attention(), "": "sdpa"}).eval()
+    pad, vid = special["<|endoftext|>"], special["<|video_pad|>"]
+    groups = [make_samples(5, 8, ["shape", "describe", "count"]), make_samples(7, 8, ["colour", "when"])]
+    assert len({id(s.clip) for s in groups[0]}) == 1 and len({s.qtype for s in groups[0]}) == 3
+    packed = [encode_many(g, tok, special) for g in groups]
+    heads = (0, 1, 2, 3)
+    with torch.no_grad():
+        out, _ = forward_with_grounding(model, collate(packed, pad, vid), packed, heads)
+        for b, (e, group) in enumerate(zip(packed, groups)):
+            losses = []
+            for q, s in zip(e.questions, group):
+                one = encode(s, tok, special)
+                alone, lg = forward_with_grounding(model, collate([one], pad, vid), [one], heads)
+                a, r = out.logits[b, q.start:q.end], alone.logits[0, one.questions[0].start:]
+                assert torch.allclose(a, r, atol=1e-4), s.question
+                losses.append(lg)
+            _, lg_packed = forward_with_grounding(model, collate([e], pad, vid), [e], heads)
+            assert torch.allclose(lg_packed, torch.stack(losses).mean(), atol=1e-5)
 
 
 def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():

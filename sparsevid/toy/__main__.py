@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     tr.add_argument("--two-pass", action="store_true",
                     help="train the vision tower with a first language model, then a fresh one (experimental)")
     tr.add_argument("--scale", type=float, default=1.0, help="multiply the number of steps")
+    tr.add_argument("--questions-per-clip", type=int, default=1, choices=range(1, 7), metavar="K",
+                    help="answer training: K (1-6) questions of distinct types per clip, in one sequence")
     ev = sub.add_parser("eval", help="held-out accuracy and attention figures")
     ev.add_argument("--model", default=DEFAULT_MODEL_DIR)
     ev.add_argument("--n", type=int, default=60, help="questions per clip length")
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
 
         from .train import TINY, TWO_PASS, TrainConfig, train
 
-        cfg = TrainConfig(seed=a.seed, threads=a.threads)
+        cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
             cfg = replace(cfg, **TWO_PASS)
         if a.tiny:

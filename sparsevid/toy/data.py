@@ -14,17 +14,32 @@ MIN_COVER = 20  # pixels of an object (over the 2 frames of a token) for the tok
 
 
 @dataclass
+class Question:
+    """One question of an encoded sequence: its rows are [start, end), its prompt ends at prompt_len
+    (the answer, when there is one, fills [prompt_len, end))."""
+    start: int
+    prompt_len: int
+    end: int
+    target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
+    readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
+
+
+@dataclass
 class Encoded:
+    """A clip's prompt prefix (system, video) followed by one question, or by several (`encode_many`):
+    each sees the prefix and itself only, at the positions it would have alone."""
     input_ids: list
     labels: list
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     vis_start: int
     n_visual: int
-    prompt_len: int
     aux: np.ndarray  # [n_visual, 4]: colour, shape, direction (0 = none), phase
-    target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
-    readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
+    questions: list  # [Question]
+
+    @property
+    def prompt_len(self) -> int:  # of the first question
+        return self.questions[0].prompt_len
 
 
 def _pad_time(a: np.ndarray, tp: int = 2) -> np.ndarray:
@@ -83,20 +98,33 @@ def readout_labels(sample: Sample) -> np.ndarray:
 
 
 def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
-    pv, thw = preprocess_frames(sample.clip.frames)
+    """One question about its clip: the plain chat prompt (and the answer, for training)."""
+    return encode_many([sample], tok, special, with_answer)
+
+
+def encode_many(samples: list, tok, special: dict, with_answer: bool = True) -> Encoded:
+    """Questions about one clip (`samples` share it) as one sequence: the prefix once, then each
+    question with its answer. One question gives the plain chat prompt."""
+    pv, thw = preprocess_frames(samples[0].clip.frames)
     gt, gh, gw = (int(v) for v in thw[0])
     mh, mw = gh // MERGE, gw // MERGE
     nv = gt * mh * mw
-    ids = prompt_ids(tok, sample.question, nv, special)
-    plen = len(ids)
-    labels = [-100] * plen
-    if with_answer:
-        ans = tok.encode(sample.answer, add_special_tokens=False) + [special["<|im_end|>"]]
-        ids = ids + ans
-        labels = labels + ans
-    vs = ids.index(special["<|video_pad|>"])
-    return Encoded(ids, labels, pv, thw, vs, nv, plen, token_labels(sample.clip, gt, mh, mw),
-                   target_cells(sample, gt, mh, mw), readout_labels(sample))
+    ids, labels, questions = [], [], []
+    for s in samples:
+        full = prompt_ids(tok, s.question, nv, special)
+        vs = full.index(special["<|video_pad|>"])
+        if not ids:
+            ids, labels = full[:vs + nv + 1], [-100] * (vs + nv + 1)
+        start = len(ids)
+        ids += full[vs + nv + 1:]
+        labels += [-100] * (len(ids) - start)
+        plen = len(ids)
+        if with_answer:
+            ans = tok.encode(s.answer, add_special_tokens=False) + [special["<|im_end|>"]]
+            ids += ans
+            labels += ans
+        questions.append(Question(start, plen, len(ids), target_cells(s, gt, mh, mw), readout_labels(s)))
+    return Encoded(ids, labels, pv, thw, vs, nv, token_labels(samples[0].clip, gt, mh, mw), questions)
 
 
 def collate(encs: list[Encoded], pad_id: int, video_id: int) -> dict:
@@ -111,8 +139,20 @@ def collate(encs: list[Encoded], pad_id: int, video_id: int) -> dict:
         lab[b, :n] = torch.tensor(e.labels)
         att[b, :n] = 1
     mm = (ids == video_id).long() * 2
-    return {
+    out = {
         "input_ids": ids, "labels": lab, "attention_mask": att, "mm_token_type_ids": mm,
         "pixel_values_videos": torch.cat([e.pixel_values for e in encs], 0),
         "video_grid_thw": torch.cat([e.grid_thw for e in encs], 0),
     }
+    if any(len(e.questions) > 1 for e in encs):
+        # block[b, i]: 0 for the prefix, k for the rows of question k (1, 2, ...), -1 for padding;
+        # shift[b, i]: how far question k's rows sit past where they would start alone
+        block = torch.full((B, L), -1, dtype=torch.long)
+        shift = torch.zeros((B, L), dtype=torch.long)
+        for b, e in enumerate(encs):
+            block[b, :e.questions[0].start] = 0
+            for k, q in enumerate(e.questions):
+                block[b, q.start:q.end] = k + 1
+                shift[b, q.start:q.end] = q.start - e.questions[0].start
+        out.update(question_block=block, position_shift=shift)
+    return out

@@ -100,12 +100,30 @@ def make_sample(seed: int, n_frames: int = 16, qtype: str | None = None, size: i
         qtype = QTYPES[int(rng.integers(0, len(QTYPES)))]
     clip = make_clip(seed, n_frames, size=size, n_objects=n_objects,
                      segment_first=qtype in ("when", "describe"))
+    sample = ask(clip, qtype, rng)
+    if sample is None:  # extremely rare: placement failed; fall back to a fresh seed
+        return make_sample(seed + 1_000_003, n_frames, qtype, size, n_objects)
+    return sample
+
+
+def make_samples(seed: int, n_frames: int, qtypes: list, size: int = 96, n_objects: int | None = None) -> list:
+    """Several questions (one per entry of `qtypes`) about one clip, deterministic in the arguments."""
+    rng = np.random.default_rng([int(seed), int(n_frames), 104729, len(qtypes)])
+    clip = make_clip(seed, n_frames, size=size, n_objects=n_objects,
+                     segment_first=any(q in ("when", "describe") for q in qtypes))
+    samples = [s for s in (ask(clip, q, rng) for q in qtypes) if s is not None]
+    return samples or make_samples(seed + 1_000_003, n_frames, qtypes, size, n_objects)
+
+
+def ask(clip: Clip, qtype: str, rng: np.random.Generator) -> Sample | None:
+    """A question of type `qtype` about `clip` (its template, object and wording drawn from `rng`);
+    None where no object fits ("when" and "describe" ask about an object visible only in part)."""
     if qtype in ("when", "describe"):
         cands = [o for o in clip.objects if not o.full]
     else:
         cands = list(clip.objects)
-    if not cands:  # extremely rare: placement failed; fall back to a fresh seed
-        return make_sample(seed + 1_000_003, n_frames, qtype, size, n_objects)
+    if not cands:
+        return None
     tmpl = TEMPLATES[qtype][int(rng.integers(0, len(TEMPLATES[qtype])))]
     if qtype == "count":
         return Sample(clip, qtype, tmpl, answer_for(clip, qtype, None), None)

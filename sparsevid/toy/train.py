@@ -16,6 +16,10 @@ Stage 3: the same, with long clips (48-256 frames) mixed in.
 Stage 4: the same mix (half of the steps with stage-3 clips), a fresh optimizer at a lower
 learning rate and a higher grounding weight (3 instead of 2), so the answer rows look at the
 asked object more sharply.
+With `questions_per_clip` > 1 each clip of stages 2-4 carries several questions (of distinct types)
+in one sequence: the clip's prefix once, then each question with its answer, each seeing the prefix
+and itself only at the positions it would have alone, so it scores as if asked alone (a test checks
+the logits) while the clip's visual tokens are computed once.
 The language model trains with its own attention function (`_train_attention`: causal SDPA plus
 the grounding loss of the answer rows), so no [B, H, L, L] attention map is ever materialised.
 The auxiliary heads are dropped: the saved folder is a plain Qwen2-VL checkpoint.
@@ -33,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from .clips import COLOURS, DIRECTIONS, SHAPES
-from .data import collate, encode
+from .data import collate, encode, encode_many
 from .model import save_processor_config, toy_config
-from .questions import QTYPES, corpus, make_sample
+from .questions import QTYPES, corpus, make_sample, make_samples
 from .tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
 TRAIN_SEED_RANGE = 1_000_000_000  # training clip seeds are < this; evaluation uses seeds above
@@ -69,6 +73,7 @@ class TrainConfig:
     aux_weight: float = 1.0
     att_weight: float = 2.0
     readout_weight: float = 1.0  # object read-out loss at the answer position (stages 2-4)
+    questions_per_clip: int = 1  # answer training: questions (of distinct types) asked about each clip
     long_prob: float = 0.5  # share of stage-3 steps with long clips
     single_start: float = 0.6  # probability of a single-object clip at the start of stage 2
     single_end: float = 0.15
@@ -178,7 +183,18 @@ def _batch_spec(rng, cfg: TrainConfig, stage: int, frac: float):
     return T, bs, p1
 
 
-def _samples(rng, T, bs, p1):
+def _samples(rng, T, bs, p1, k: int = 1) -> list:
+    """`bs` clips with one question each (Sample), or with `k` questions of distinct types ([Sample])."""
+    if k > 1:
+        out = []
+        for _ in range(bs):
+            seed = int(rng.integers(0, TRAIN_SEED_RANGE))
+            qtypes = [QTYPES[i] for i in rng.choice(len(QTYPES), k, replace=False)]
+            n_obj = 1 if rng.random() < p1 else None
+            if "count" in qtypes and n_obj == 1 and rng.random() < 0.7:
+                n_obj = None
+            out.append(make_samples(seed, T, qtypes, n_objects=n_obj))
+        return out
     out = []
     for _ in range(bs):
         seed = int(rng.integers(0, TRAIN_SEED_RANGE))
@@ -208,7 +224,9 @@ class _Draws(torch.utils.data.Dataset):
         T, bs, p1 = _batch_spec(rng, self.cfg, stage, frac)
         if stage == 1:  # the vision tower alone: no answers, a fixed share of single-object clips
             return T, [encode(s, self.tok, self.special, with_answer=False) for s in _samples(rng, T, bs, 0.3)], None
-        encs = [encode(s, self.tok, self.special) for s in _samples(rng, T, bs, p1)]
+        k = self.cfg.questions_per_clip
+        encs = [encode_many(s, self.tok, self.special) if k > 1 else encode(s, self.tok, self.special)
+                for s in _samples(rng, T, bs, p1, k)]
         return T, encs, collate(encs, self.special["<|endoftext|>"], self.special["<|video_pad|>"])
 
 
@@ -227,7 +245,7 @@ def _draws(cfg: TrainConfig, tok, special: dict, plan: list):
 
 
 TRAIN_ATTN = "sparsevid_toy_train"
-_GROUND: dict = {"items": None, "heads": (), "losses": []}  # set around each training forward
+_GROUND: dict = {"items": None, "heads": (), "losses": [], "mask": None}  # set around each training forward
 
 
 def _train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -236,12 +254,14 @@ def _train_attention(module, query, key, value, attention_mask, scaling=None, dr
     grounded heads, taken over the visual keys only (the share of visual attention on the asked
     object does not depend on the other keys). Cheaper than eager attention with
     `output_attentions`, whose [B, H, L, L] maps dominated long-clip steps."""
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    mask = _GROUND["mask"]  # several questions per sequence: each sees the prefix and itself
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=mask is None, attn_mask=mask, scale=scaling,
+                                         enable_gqa=True)
     items, heads = _GROUND["items"], list(_GROUND["heads"])
     if items is not None and module.layer_idx >= 1 and heads:
         G = query.shape[1] // key.shape[1]
         kv = [h // G for h in heads]
-        for b, (rows, vs, nv, tgt) in enumerate(items):
+        for b, rows, vs, nv, tgt in items:
             if tgt is None:
                 continue
             logits = query[b, heads][:, rows] @ key[b, kv, vs:vs + nv].transpose(1, 2) * scaling  # [h, R, nv]
@@ -262,25 +282,45 @@ def register_train_attention() -> str:
 
 
 def grounding_items(encs) -> list:
-    """Per sample: (answer-producing rows, first visual position, visual count, target mask [nv])."""
+    """Per question: (batch row, answer-producing rows, first visual position, visual count,
+    target mask [nv])."""
     out = []
-    for e in encs:
-        tgt = torch.from_numpy(e.target)
-        out.append((torch.arange(e.prompt_len - 3, len(e.input_ids) - 1), e.vis_start, e.n_visual,
-                    tgt if tgt.any() else None))
+    for b, e in enumerate(encs):
+        for q in e.questions:
+            tgt = torch.from_numpy(q.target)
+            out.append((b, torch.arange(q.prompt_len - 3, q.end - 1), e.vis_start, e.n_visual,
+                        tgt if tgt.any() else None))
     return out
 
 
+def question_inputs(model, batch: dict) -> tuple:
+    """For sequences holding several questions (`collate`'s question_block and position_shift):
+    (position_ids [3, B, L] that place every question where it would start alone, attention mask
+    [B, 1, L, L]: causal, and a question's rows see the prefix and their own question only)."""
+    block, shift = batch.pop("question_block"), batch.pop("position_shift")
+    pos, _ = model.model.get_rope_index(batch["input_ids"], video_grid_thw=batch["video_grid_thw"],
+                                        attention_mask=batch["attention_mask"],
+                                        mm_token_type_ids=batch["mm_token_type_ids"])
+    L = block.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    mask = causal & ((block[:, None, :] == 0) | (block[:, None, :] == block[:, :, None]))
+    return pos - shift[None], mask[:, None]
+
+
 def forward_with_grounding(model, batch, encs, heads, **kwargs):
-    """One training forward -> (output, grounding loss = mean over samples, layers 1.. and heads of
+    """One training forward -> (output, grounding loss = mean over questions, layers 1.. and heads of
     -log(share of the answer rows' visual attention on the asked object's tokens))."""
-    _GROUND.update(items=grounding_items(encs), heads=tuple(heads), losses=[])
+    mask = None
+    if "question_block" in batch:
+        batch = dict(batch)
+        kwargs["position_ids"], mask = question_inputs(model, batch)
+    _GROUND.update(items=grounding_items(encs), heads=tuple(heads), losses=[], mask=mask)
     try:
         out = model(**batch, **kwargs)
         losses = _GROUND["losses"]
         return out, (torch.stack(losses).mean() if losses else torch.zeros(()))
     finally:
-        _GROUND.update(items=None, losses=[])
+        _GROUND.update(items=None, losses=[], mask=None)
 
 
 @torch.no_grad()
@@ -316,6 +356,9 @@ def save_model(model, tok_obj, out_dir: str, cfg: TrainConfig, extra: dict | Non
 def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = True) -> dict:
     from tqdm import tqdm
 
+    if not 1 <= cfg.questions_per_clip <= len(QTYPES):
+        raise ValueError(f"questions_per_clip must be 1..{len(QTYPES)} (one per question type), "
+                         f"got {cfg.questions_per_clip}")
     torch.set_num_threads(cfg.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet in the data worker (a fork)
     t0 = time.time()
@@ -360,8 +403,9 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         loss = out.loss + cfg.aux_weight * la + att_weight * lg
         lro = torch.zeros(())
         if cfg.readout_weight > 0:
-            h = out.hidden_states[-1][torch.arange(len(encs)), [e.prompt_len - 1 for e in encs]]
-            lro = readout_loss(readout, h, torch.from_numpy(np.stack([e.readout for e in encs])))
+            qs = [(b, q) for b, e in enumerate(encs) for q in e.questions]
+            h = out.hidden_states[-1][[b for b, _ in qs], [q.prompt_len - 1 for _, q in qs]]
+            lro = readout_loss(readout, h, torch.from_numpy(np.stack([q.readout for _, q in qs])))
             loss = loss + cfg.readout_weight * lro
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
