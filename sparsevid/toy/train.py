@@ -187,25 +187,19 @@ def _batch_spec(rng, cfg: TrainConfig, stage: int, frac: float):
 
 
 def _samples(rng, T, bs, p1, k: int = 1) -> list:
-    """`bs` clips with one question each (Sample), or with `k` questions of distinct types ([Sample])."""
-    if k > 1:
-        out = []
-        for _ in range(bs):
-            seed = int(rng.integers(0, TRAIN_SEED_RANGE))
-            qtypes = [QTYPES[i] for i in rng.choice(len(QTYPES), k, replace=False)]
-            n_obj = 1 if rng.random() < p1 else None
-            if "count" in qtypes and n_obj == 1 and rng.random() < 0.7:
-                n_obj = None
-            out.append(make_samples(seed, T, qtypes, n_objects=n_obj))
-        return out
+    """`bs` clips, each with its list of questions: one (Sample), or `k` of distinct types."""
     out = []
     for _ in range(bs):
         seed = int(rng.integers(0, TRAIN_SEED_RANGE))
-        qtype = QTYPES[int(rng.integers(0, len(QTYPES)))]
+        if k == 1:
+            qtypes = [QTYPES[int(rng.integers(0, len(QTYPES)))]]
+        else:
+            qtypes = [QTYPES[i] for i in rng.choice(len(QTYPES), k, replace=False)]
         n_obj = 1 if rng.random() < p1 else None
-        if qtype == "count" and n_obj == 1 and rng.random() < 0.7:
+        if "count" in qtypes and n_obj == 1 and rng.random() < 0.7:
             n_obj = None
-        out.append(make_sample(seed, T, qtype, n_objects=n_obj))
+        out.append([make_sample(seed, T, qtypes[0], n_objects=n_obj)] if k == 1
+                   else make_samples(seed, T, qtypes, n_objects=n_obj))
     return out
 
 
@@ -226,10 +220,9 @@ class _Draws(torch.utils.data.Dataset):
         rng = np.random.default_rng([self.cfg.seed, tag, k])
         T, bs, p1 = _batch_spec(rng, self.cfg, stage, frac)
         if stage == 1:  # the vision tower alone: no answers, a fixed share of single-object clips
-            return T, [encode(s, self.tok, self.special, with_answer=False) for s in _samples(rng, T, bs, 0.3)], None
-        k = self.cfg.questions_per_clip
-        encs = [encode_many(s, self.tok, self.special) if k > 1 else encode(s, self.tok, self.special)
-                for s in _samples(rng, T, bs, p1, k)]
+            return T, [encode_many(qs, self.tok, self.special, with_answer=False)
+                       for qs in _samples(rng, T, bs, 0.3)], None
+        encs = [encode_many(s, self.tok, self.special) for s in _samples(rng, T, bs, p1, self.cfg.questions_per_clip)]
         return T, encs, collate(encs, self.special["<|endoftext|>"], self.special["<|video_pad|>"])
 
 
