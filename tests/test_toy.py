@@ -251,6 +251,59 @@ def test_questions_packed_after_one_clip_score_as_if_each_were_asked_alone():
             assert torch.allclose(lg_packed, torch.stack(losses).mean(), atol=1e-5)
 
 
+def test_copy_loss_is_minus_log_the_answer_rows_layer0_attention_on_the_words_naming_the_object():
+    """`copy_heads`: the loss must be what it claims (measured against eager attention weights), on
+    the words that name the asked object and on nothing else."""
+    import copy
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from sparsevid.toy.data import collate, encode, encode_many
+    from sparsevid.toy.questions import make_samples
+    from sparsevid.toy.tokenizer import SPECIAL_TOKENS
+    from sparsevid.toy.train import forward_with_grounding, register_train_attention
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    samples = [make_sample(s, 8, q) for s, q in [(1, "shape"), (2, "colour"), (3, "describe"), (4, "count")]]
+    encs = [encode(s, tok, special) for s in samples]
+    for s, e in zip(samples, encs):
+        words = [tok.decode([e.input_ids[i]]).strip() for i in e.questions[0].names]
+        o = s.clip.obj(s.obj_id) if s.obj_id is not None else None
+        assert set(words) == ({w for w in (o.colour, o.shape) if w in s.question.split(" ") or w + "?" in s.question
+                               or w + "." in s.question} if o else set()), (s.question, words)
+    batch = collate(encs, special["<|endoftext|>"], special["<|video_pad|>"])
+    heads = (0, 1, 2)
+    # a freshly initialised model of the shipped architecture: its layer-0 attention is spread, so the
+    # shares compared below are not so small that the eager weights underflow (the shipped model's do)
+    config = Qwen2VLForConditionalGeneration.from_pretrained(DEFAULT_MODEL_DIR).config
+    torch.manual_seed(0)
+    eager = Qwen2VLForConditionalGeneration._from_config(
+        copy.deepcopy(config), attn_implementation={"text_config": "eager", "": "sdpa"}).eval()
+    train = Qwen2VLForConditionalGeneration._from_config(
+        copy.deepcopy(config), attn_implementation={"text_config": register_train_attention(), "": "sdpa"}).eval()
+    train.load_state_dict(eager.state_dict())
+    with torch.no_grad():
+        _, loss = forward_with_grounding(train, dict(batch), encs, (), heads)
+        att = eager(**{k: v for k, v in batch.items() if k != "labels"}, output_attentions=True).attentions[0]
+    want = [-torch.log(att[b, list(heads)][:, torch.arange(q.prompt_len - 3, q.end - 1)][:, :, q.names].sum(-1)).mean()
+            for b, e in enumerate(encs) for q in e.questions if q.names]
+    assert len(want) == 3  # the count question names no object
+    assert torch.allclose(loss, torch.stack(want).mean(), atol=1e-4)
+    # packed questions (block mask): each one's copy loss is the one it has alone
+    group = make_samples(5, 8, ["shape", "describe", "direction"])
+    packed = encode_many(group, tok, special)
+    alone = [encode(s, tok, special) for s in group]
+    with torch.no_grad():
+        _, lp = forward_with_grounding(train, collate([packed], special["<|endoftext|>"], special["<|video_pad|>"]),
+                                       [packed], (), heads)
+        la = [forward_with_grounding(train, collate([a], special["<|endoftext|>"], special["<|video_pad|>"]),
+                                     [a], (), heads)[1] for a in alone]
+    assert torch.allclose(lp, torch.stack(la).mean(), atol=1e-4)
+
+
 def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
     _shipped()
     from sparsevid.toy.evaluate import evaluate, ref_kind

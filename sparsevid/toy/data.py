@@ -22,6 +22,7 @@ class Question:
     end: int
     target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
     readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
+    names: list  # rows of the question's words that name the asked object (its colour, its shape)
 
 
 @dataclass
@@ -97,6 +98,11 @@ def readout_labels(sample: Sample) -> np.ndarray:
     return out
 
 
+def name_ids(tok) -> set:
+    """Token ids of the colour and shape words as they appear in questions (" red", " circle")."""
+    return {tok.encode(" " + w, add_special_tokens=False)[0] for w in COLOURS + SHAPES}
+
+
 def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
     """One question about its clip: the plain chat prompt (and the answer, for training)."""
     return encode_many([sample], tok, special, with_answer)
@@ -110,6 +116,7 @@ def encode_many(samples: list, tok, special: dict, with_answer: bool = True) -> 
     mh, mw = gh // MERGE, gw // MERGE
     nv = gt * mh * mw
     ids, labels, questions = [], [], []
+    names = name_ids(tok)
     for s in samples:
         full = prompt_ids(tok, s.question, nv, special)
         vs = full.index(special["<|video_pad|>"])
@@ -119,11 +126,13 @@ def encode_many(samples: list, tok, special: dict, with_answer: bool = True) -> 
         ids += full[vs + nv + 1:]
         labels += [-100] * (len(ids) - start)
         plen = len(ids)
+        named = [i for i in range(start, plen) if ids[i] in names]
         if with_answer:
             ans = tok.encode(s.answer, add_special_tokens=False) + [special["<|im_end|>"]]
             ids += ans
             labels += ans
-        questions.append(Question(start, plen, len(ids), target_cells(s, gt, mh, mw), readout_labels(s)))
+        questions.append(Question(start, plen, len(ids), target_cells(s, gt, mh, mw), readout_labels(s),
+                                  named))
     return Encoded(ids, labels, pv, thw, vs, nv, token_labels(samples[0].clip, gt, mh, mw), questions)
 
 
