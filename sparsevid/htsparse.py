@@ -22,12 +22,12 @@ untouched. The figures count its score FLOPs at rank r; the keys are still store
 
 Defaults (h_f = 25 %, h_s = 75 %, whole GQA groups, η = 0.7, τ = 1, mid + late layers,
 last-token saliency), chosen on the embedded toy model's held-out clips (60 clips of 16 and 256
-frames, `python -m sparsevid.htsparse_ablation --n 30`). On the current model (dense 91.7 %):
-accuracy 90.0 %, 95 % of answers token-identical to dense, decode KV 48.2 % of dense; η = 0.8 the
-same accuracy at 51.5 %, η = 0.9 dense's accuracy (100 % identical) at 60 %. On 120 clips
-(`python -m sparsevid.toy eval --n 60 --methods dense,htsparse`) the default loses more: 86.7 % vs
-93.3 %, 92 % identical. Partitioning heads one by one kept a full head in almost every GQA group
-(decode KV 63-71 %): with few KV heads per layer — 4 on the toy and on Qwen2-VL-7B — only
+frames, `python -m sparsevid.htsparse_ablation --n 30`). On the current model (dense 96.7 %):
+accuracy 90.0 %, 90 % of answers token-identical to dense, decode KV 47.8 % of dense; η = 0.8
+98.3 % (98 % identical) at 51.1 %, η = 0.9 dense's accuracy (100 % identical) at 60 %. On 120 clips
+(`python -m sparsevid.toy eval --n 60 --methods dense,htsparse`) the default loses less: 93.3 % vs
+96.7 %, 95 % identical. Partitioning heads one by one kept a full head in almost every GQA group
+(decode KV 58-68 %): with few KV heads per layer — 4 on the toy and on Qwen2-VL-7B — only
 whole-group roles shrink the cache. The SPEC's sensible range for η is 0.7-0.9; the default is the
 largest η there that keeps decode KV at or under half of dense. τ only shapes π (the partition
 ranks heads).
