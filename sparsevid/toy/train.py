@@ -85,7 +85,7 @@ class TrainConfig:
     readout_weight: float = 1.0  # object read-out loss at the answer position (stages 2-4)
     # answer training: questions (of distinct types) asked about each clip, one sequence per clip. A
     # step costs 10-16 % more with 2-3 on short clips, 70 % more on 256-frame ones (the block mask
-    # takes SDPA off its causal path); measured no better than 1 (model card)
+    # takes SDPA off its causal path); measured no better than 1 before the copy loss (model card)
     questions_per_clip: int = 1
     long_prob: float = 0.5  # share of stage-3 steps with long clips
     single_start: float = 0.6  # probability of a single-object clip at the start of stage 2
@@ -100,9 +100,9 @@ class TrainConfig:
 
 # The two-pass recipe: stage 1, a full-length tower pass through the first 2 layers of the language
 # model (a 2-layer step costs 0.41 s against 0.60 s), then a fresh 4-layer language model through
-# shorter stages 2-4; 87 min on 2 cores. Not the shipped recipe: measured worse than the one-pass
-# recipe (0.79 against 0.88 on the selection clips; its first version, a 2700-step tower pass
-# through all 4 layers, 0.82; model card).
+# shorter stages 2-4; 87 min on 2 cores. Not the shipped recipe: measured, before the copy loss,
+# worse than the one-pass recipe (0.79 against 0.88 on the selection clips; its first version, a
+# 2700-step tower pass through all 4 layers, 0.82; model card).
 TWO_PASS = dict(tower_steps=(3300, 1600, 1200), tower_layers=2, stage2_steps=1700, stage3_steps=800, stage4_steps=600)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
@@ -311,6 +311,7 @@ class GroundItem(NamedTuple):
 
 
 def grounding_items(encs) -> list:
+    """A `GroundItem` per question of the encoded batch `encs`."""
     out = []
     for b, e in enumerate(encs):
         for q in e.questions:
