@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -98,9 +99,10 @@ def readout_labels(sample: Sample) -> np.ndarray:
     return out
 
 
-def name_ids(tok) -> set:
+@lru_cache(maxsize=4)  # once per tokenizer, not once per encoded clip
+def name_ids(tok) -> frozenset:
     """Token ids of the colour and shape words as they appear in questions (" red", " circle")."""
-    return {tok.encode(" " + w, add_special_tokens=False)[0] for w in COLOURS + SHAPES}
+    return frozenset(tok.encode(" " + w, add_special_tokens=False)[0] for w in COLOURS + SHAPES)
 
 
 def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
