@@ -8,6 +8,7 @@ visual position shows, for the plots.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -129,6 +130,15 @@ class Adapter:
     def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
         raise NotImplementedError
 
+    def positions(self, model, inputs: "VideoInputs") -> tuple[torch.Tensor | None, int]:
+        """(the prompt's position ids for the prefill, or None to let the model number them 0..m-1;
+        the position of the first token fed after the prompt). Read-only on the model."""
+        return None, inputs.m
+
+    def position_ids(self, start: int, q: int, device) -> torch.Tensor:
+        """Positions of q tokens fed from position `start`, as the language model takes them: [1, q]."""
+        return torch.arange(start, start + q, device=device)[None]
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -183,6 +193,23 @@ class Qwen2VLAdapter(Adapter):
             image_std=cfg.get("image_std", CLIP_STD),
         )
         self.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+
+    def positions(self, model, inputs: "VideoInputs") -> tuple[torch.Tensor, int]:
+        """M-RoPE: the prompt's 3-D positions [3, 1, m] (`get_rope_index`, passed to the prefill so
+        that transformers keeps no `rope_deltas` state on the model), and the first decode position:
+        the prompt's largest position + 1, as one forward over prompt + answer places it.
+        (transformers' own cached steps add `rope_deltas` taken from the video's largest temporal
+        index, which on long clips is far past the text: a 256-frame prompt ended at 31 and decoding
+        went on at 143.)"""
+        inner = model.model
+        params = inspect.signature(inner.get_rope_index).parameters
+        kw = {k: v for k, v in inputs.model_kwargs.items() if k in params and k != "input_ids"}
+        pos, _ = inner.get_rope_index(inputs.input_ids, **kw)  # [3, 1, m]
+        return pos, int(pos[:, 0, -1].max()) + 1
+
+    def position_ids(self, start: int, q: int, device) -> torch.Tensor:
+        """The same position on the temporal, height and width axes: [3, 1, q]."""
+        return torch.arange(start, start + q, device=device).view(1, 1, q).expand(3, 1, q)
 
     def prompt_parts(self, question: str) -> tuple[str, str]:
         """Chat text before and after the video tokens."""
@@ -351,6 +378,22 @@ def _sampled_fps(timestamps, n: int) -> float:
     if timestamps is not None and len(timestamps) > 1 and timestamps[-1] > timestamps[0]:
         return (len(timestamps) - 1) / (timestamps[-1] - timestamps[0])
     return 1.0
+
+
+def text_step(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, num_layers: int | None = None):
+    """Logits [1, q, V] of tokens fed after the prompt, through the language model's own modules:
+    embeddings, the first `num_layers` decoder layers (all by default), final norm, LM head.
+
+    The same for the three architectures (their text models are Qwen2-style stacks); positions
+    come from the adapter (`position_ids`), so no multimodal wrapper work runs per step and nothing
+    is written on the model. A first-L-layers view (LayerSkip's draft) is `num_layers = L`.
+    """
+    lm = model.model.language_model
+    h = lm.embed_tokens(input_ids)
+    pe = lm.rotary_emb(h, position_ids)
+    for layer in lm.layers[:num_layers]:
+        h = layer(h, attention_mask=None, position_embeddings=pe, past_key_values=cache, use_cache=True)
+    return model.lm_head(lm.norm(h))
 
 
 ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": Qwen2VLAdapter,

@@ -5,8 +5,18 @@ Inside `active(run)`, the language model's attention layers call `sparsevid_atte
 - in dense mode, attends over the dense cache (prefill: causal SDPA; later steps: `grouped_sdpa`);
 - at prefill, computes the layer's `LayerStats` (relevance, SnapKV window attention, query norms)
   from the layer's own queries and keys in the same forward, asks the run's policy for the layer's
-  `LayerSelection`, and gathers the layer's compact `SparseKV` right away;
+  `LayerSelection`, and gathers the layer's compact `SparseKV` right away; a selection that routes
+  the prefill (HT-Sparse used directly) is applied to the layer's whole prefill attention
+  (`routing.routed_attention`), which then runs after the selection instead of dense;
 - in sparse mode, attends over the compact cache only.
+
+FastV-style pruning (a direct policy with `prune_after`, HT-Sparse's `ht_prune_after`): after that
+layer's selection, the visual rows it did not select leave the prompt. `install(model)` (called once
+by `models.load_model`) puts a forward pre-hook on every decoder layer that, only while the active
+run is pruning its prefill, index-selects the kept rows of `hidden_states` and slices the rotary
+`position_embeddings` to the same rows, so later layers run projections, MLP and attention on
+m' = m_t + k rows at their original positions. Those layers select in pruned coordinates (a
+`Prompt` of m' rows) and always hold a compact cache; `run.rows[layer]` maps back to the prompt.
 
 Outside `active(...)` it behaves as plain causal attention, so the model still works normally.
 Batch size 1, no padding: causality is applied here, so the mask function returns None.
@@ -24,47 +34,76 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .cache import KVCache, LayerSelection, SparseKV, grouped_sdpa, keep_all, low_rank_keys
+from .cache import KVCache, LayerSelection, Prompt, SparseKV, causal_mask, grouped_sdpa
+from .routing import routed_attention
 
 NAME = "sparsevid"
 
 
 @dataclass
 class LayerStats:
-    """Prefill statistics of one layer, from its own queries and keys (SPEC §1).
+    """Prefill statistics of one layer, from its own queries and keys; each is computed
+    only when the run's policy asks for it (`policy.stats`), else None.
 
     relevance [Hkv, m]: attention the query tokens give each prompt key (softmax over all keys,
         causal), averaged over query tokens, summed over the group's query heads.
-    window [Hkv, m] or None: attention of the last `window` prompt tokens, averaged over those rows
+    window [Hkv, m]: attention of the last `policy.window` prompt tokens, averaged over those rows
         and the group's query heads (SnapKV).
     query_norm_last [H]: L2 norm of each head's query at the last prompt token.
     query_norm_mean [H]: same, averaged over the query tokens.
     """
 
-    relevance: torch.Tensor
-    window: torch.Tensor | None
-    query_norm_last: torch.Tensor
-    query_norm_mean: torch.Tensor
+    relevance: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+    query_norm_last: torch.Tensor | None = None
+    query_norm_mean: torch.Tensor | None = None
 
 
 @dataclass
 class Run:
     """State of one forward pass sequence, set as the active context by the engine.
 
-    policy: object with `select(layer, stats, run) -> LayerSelection | None` (None keeps everything),
-        and an int attribute `window` (rows of SnapKV statistics it needs; 0 for none).
-    visual_positions: LongTensor [m_v]; query_start: first position after the visual span.
+    policy: object with `select(layer, stats, prompt) -> LayerSelection | None` (None keeps
+        everything), `stats` (the statistics it needs) and `window` (SnapKV rows; 0 for none);
+        optional `score_keys(layer, key) -> key` (keys used for scoring and kept in its cache) and
+        `route_prefill` (its selection routes the layer's whole prefill when used directly);
+        `selects(layer, prompt) -> bool` (False: the layer keeps everything and needs no statistics);
+        `prune_after` (an int: used directly, after that layer's selection the visual positions
+        outside its `info["tokens"]` are pruned from the prefill's hidden states; None: off).
+    keep_stats: also keep every layer's relevance (for evaluation figures).
+    copy_all: a layer whose policy keeps everything still gets its own compact copy (a draft that
+        keeps its own KV for accepted tokens, `refresh` off); otherwise it reads the dense cache.
     """
 
     cache: KVCache
-    num_heads: int
-    visual_positions: torch.Tensor
-    query_start: int
+    prompt: Prompt
     policy: object | None = None
     keep_stats: bool = False
+    copy_all: bool = False
     stats: dict[int, LayerStats] = field(default_factory=dict)
     selections: dict[int, LayerSelection] = field(default_factory=dict)
-    on_decode_attention: Callable | None = None  # (layer, probs [H, q, n]) during dense decode
+    on_decode_attention: Callable | None = None  # (layer, query, key, scale) during dense decode
+    position_offset: int = 0  # decode position minus cache length (set by the engine's prefill)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # pruned layer -> original positions [m']
+    prune: torch.Tensor | None = None  # while the prefill is pruning: the kept original positions [m']
+    pruned_prompt: Prompt | None = None  # the prompt in pruned coordinates (m' rows)
+
+    def prompt_of(self, layer: int) -> Prompt:
+        """The prompt as layer `layer` sees it: pruned coordinates in a pruned layer."""
+        return self.pruned_prompt if layer in self.rows else self.prompt
+
+    def start_pruning(self, keep_visual: torch.Tensor) -> None:
+        """Keep the text positions and the visual positions `keep_visual` for the later layers."""
+        p = self.prompt
+        text = torch.ones(p.m, dtype=torch.bool)
+        text[p.visual_positions.cpu()] = False
+        kept = text.clone()
+        kept[keep_visual.cpu()] = True
+        rows = kept.nonzero().squeeze(1)
+        vis_rows = (~text)[rows].nonzero().squeeze(1)  # indices of the kept visual rows in `rows`
+        self.prune = rows.to(p.visual_positions.device)
+        self.pruned_prompt = Prompt(int(rows.numel()), vis_rows.to(p.visual_positions.device),
+                                    int((rows < p.query_start).sum()), p.num_layers, p.num_heads, p.num_kv_heads)
 
 
 _ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("sparsevid_run", default=None)
@@ -79,46 +118,30 @@ def active(run: Run):
         _ACTIVE.reset(token)
 
 
-def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_start: int, window: int) -> LayerStats:
-    """query [1, H, m, D], key [1, Hkv, m, D] of a prefill -> LayerStats (computed in float32)."""
+def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_start: int, window: int = 0,
+                want=("relevance", "window", "query_norms")) -> LayerStats:
+    """query [1, H, m, D], key [1, Hkv, m, D] of a prefill -> LayerStats (float32), only `want`."""
     _, H, m, D = query.shape
     Hkv = key.shape[1]
     G = H // Hkv
     qs = min(query_start, m - 1)
-    window = min(window, m)  # a prompt shorter than the window: every row is in it
-    start = min(qs, m - window) if window else qs
-    r = m - start
-    rows = query[0, :, start:].float().reshape(Hkv, G * r, D)
-    scores = torch.matmul(rows, key[0].float().transpose(1, 2)).view(Hkv, G, r, m) * scale
-    causal = torch.arange(m, device=query.device)[None, :] <= torch.arange(start, m, device=query.device)[:, None]
-    probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1)  # [Hkv, G, r, m]
-    relevance = probs[:, :, qs - start:].mean(2).sum(1)
-    win = probs[:, :, r - window:].mean(2).mean(1) if window else None
-    norms = query[0, :, qs:].float().norm(dim=-1)  # [H, m - qs]: the query tokens, the last one included
-    return LayerStats(relevance, win, norms[:, -1], norms.mean(-1))
-
-
-def _route_prefill_rows(out, query, key, value, scale, sel: LayerSelection, start: int):
-    """Recompute the prefill output rows [start, m) under the selection (HT-Sparse routing)."""
-    _, H, m, D = query.shape
-    Hkv = key.shape[1]
-    G = H // Hkv
-    allowed = torch.zeros(Hkv, m, dtype=torch.bool, device=query.device)
-    for g, idx in enumerate(sel.keep):  # Hkv iterations, once per layer at prefill
-        allowed[g, idx.to(query.device)] = True
-    allowed = allowed.repeat_interleave(G, 0)  # [H, m]
-    if sel.query_mask is not None:
-        allowed &= sel.query_mask.to(query.device)
-    causal = torch.arange(m, device=query.device)[None, :] <= torch.arange(start, m, device=query.device)[:, None]
-    r = m - start
-    mask = (allowed[:, None, :] & causal[None]).view(1, Hkv, G * r, m)  # a group's heads folded into rows
-    rows = F.scaled_dot_product_attention(query[:, :, start:].reshape(1, Hkv, G * r, D), key, value,
-                                          attn_mask=mask, scale=scale)
-    rows = torch.nan_to_num(rows).view(1, H, r, D)  # a head allowed no key at all contributes nothing
-    if sel.head_scale is not None:
-        rows = rows * sel.head_scale.to(rows.device, rows.dtype).view(1, H, 1, 1)
-    out[:, start:] = rows.transpose(1, 2)
-    return out
+    stats = LayerStats()
+    window = min(window, m) if "window" in want else 0  # a prompt shorter than the window: every row
+    if "relevance" in want or window:
+        start = min(qs, m - window) if window else qs
+        r = m - start
+        rows = query[0, :, start:].float().reshape(Hkv, G * r, D)
+        scores = torch.matmul(rows, key[0].float().transpose(1, 2)).view(Hkv, G, r, m) * scale
+        causal = causal_mask(r, m, query.device)
+        probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1)  # [Hkv, G, r, m]
+        if "relevance" in want:
+            stats.relevance = probs[:, :, qs - start:].mean(2).sum(1)
+        if window:
+            stats.window = probs[:, :, r - window:].mean(2).mean(1)
+    if "query_norms" in want:
+        norms = query[0, :, qs:].float().norm(dim=-1)  # [H, m - qs]: the query tokens, the last one included
+        stats.query_norm_last, stats.query_norm_mean = norms[:, -1], norms.mean(-1)
+    return stats
 
 
 def sparsevid_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -126,13 +149,11 @@ def sparsevid_attention(module, query, key, value, attention_mask, scaling=None,
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     run = _ACTIVE.get()
     q, n = query.shape[2], key.shape[2]
-    if run is None or run.cache.mode == "dense":
+    if run is None or run.cache.mode == "dense" or run.cache.layers[module.layer_idx].sparse is None:
         if q == n and q > 1:  # prefill
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                                 enable_gqa=True).transpose(1, 2)
             if run is not None and (run.policy is not None or run.keep_stats):
-                out = _prefill_hook(run, module.layer_idx, out, query, key, value, scale)
-            return out, None
+                return _prefill_hook(run, module.layer_idx, query, key, value, scale), None
+            return _causal(query, key, value, scale), None
         if run is not None and run.on_decode_attention is not None:
             run.on_decode_attention(module.layer_idx, query, key, scale)
         return grouped_sdpa(query, key, value, scale), None
@@ -140,33 +161,109 @@ def sparsevid_attention(module, query, key, value, attention_mask, scaling=None,
     return sparse.attend(query, scale, run.cache.sparse_len + q - run.cache.prompt_len), None
 
 
-def _prefill_hook(run: Run, layer: int, out, query, key, value, scale):
-    window = getattr(run.policy, "window", 0) if run.policy is not None else 0
-    stats = layer_stats(query, key, scale, run.query_start, window)
+def _causal(query, key, value, scale):
+    """Dense causal prefill: query [1, H, m, D], key/value [1, Hkv, m, D] -> [1, m, H, D]."""
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                          enable_gqa=True).transpose(1, 2)
+
+
+def _prefill_hook(run: Run, layer: int, query, key, value, scale):
+    """A layer's prefill under a policy: its statistics from the query rows first (only those the
+    policy asks for), then its selection, then its attention: routed over the selection
+    (`routing.routed_attention`) for a policy used directly that routes its prefill, else dense."""
+    policy = run.policy
+    prompt = run.prompt_of(layer)  # m' rows in a pruned layer
+    pruned = layer in run.rows
+    selects = policy is not None and (not hasattr(policy, "selects") or policy.selects(layer, prompt))
+    want = set(getattr(policy, "stats", ())) if selects else set()
     if run.keep_stats:
-        run.stats[layer] = stats
-    if run.policy is None:
-        return out
-    sel = run.policy.select(layer, stats, run) or keep_all(key.shape[2], key.shape[1])
+        want.add("relevance")
+    window = getattr(policy, "window", 0) if selects else 0
+    stats = layer_stats(query, key, scale, prompt.query_start, window, want)
+    if run.keep_stats:
+        run.stats[layer] = _unpruned(stats, run.rows[layer], run.prompt.m) if pruned else stats
+    cache = run.cache
+    m = key.shape[2]
+    sel = policy.select(layer, stats, prompt) if selects else None
+    if sel is None and policy is not None and (run.copy_all or pruned):
+        # a pruned layer always keeps a compact cache: the dense buffer is indexed by prompt position
+        sel = LayerSelection([torch.arange(m, device=key.device)] * key.shape[1])
+    if sel is None:
+        if policy is not None and not cache.store_dense:  # a direct policy keeps this layer whole
+            cache.layers[layer].store(key, value, 0)
+        return _causal(query, key, value, scale)
     run.selections[layer] = sel
-    gen_capacity = run.cache.capacity - key.shape[2]
-    score_key = low_rank_keys(key, sel.low_rank) if sel.low_rank else key  # the dense cache keeps `key`
-    run.cache.set_sparse(layer, SparseKV(score_key, value, sel, gen_capacity, run.num_heads))
-    if sel.route_prefill and not run.cache.store_dense:
+    if (not pruned and not cache.store_dense and layer == getattr(policy, "prune_after", None)
+            and "tokens" in sel.info):
+        run.start_pruning(sel.info["tokens"])  # the later layers of this prefill see m_t + k rows
+    score_keys = getattr(policy, "score_keys", None)
+    kept_key = score_keys(layer, key) if score_keys is not None else key  # the dense cache keeps `key`
+    cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads))
+    restricts = (sel.query_mask is not None or sel.head_scale is not None or kept_key is not key
+                 or any(n < m for n in sel.lengths))
+    if getattr(policy, "route_prefill", False) and restricts and not cache.store_dense:
         # Direct use only: as a draft, the prefill also fills the dense cache and gives the first
-        # token, so it must stay dense (the draft then routes its decode steps only).
-        out = _route_prefill_rows(out, query, score_key, value, scale, sel, min(run.query_start, key.shape[2] - 1))
-    return out
+        # token, so it stays dense (the draft routes its decode steps only).
+        return routed_attention(query, kept_key, value, scale, sel.keep, sel.query_mask, sel.head_scale)
+    return _causal(query, key, value, scale)
 
 
-def _no_mask(*args, **kwargs):
+def _unpruned(stats: LayerStats, rows: torch.Tensor, m: int) -> LayerStats:
+    """A pruned layer's statistics [Hkv, m'] back at prompt positions [Hkv, m] (0 at pruned ones)."""
+    def expand(x):
+        if x is None:
+            return None
+        out = x.new_zeros(x.shape[0], m)
+        out[:, rows.to(x.device)] = x
+        return out
+
+    return LayerStats(expand(stats.relevance), expand(stats.window), stats.query_norm_last, stats.query_norm_mean)
+
+
+def _prune_rows(module, args, kwargs):
+    """Forward pre-hook of a decoder layer: nothing unless the active run is pruning its prefill;
+    then the layer gets the kept rows of `hidden_states` (taken once, where it still has m rows)
+    and of the rotary `position_embeddings` (and `position_ids`), and the run records its rows."""
+    run = _ACTIVE.get()
+    if run is None or run.prune is None:
+        return None
+    rows, m = run.prune, run.prompt.m
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if hidden.shape[1] not in (m, rows.numel()):  # not this prefill's hidden states
+        return None
+    if hidden.shape[1] == m:
+        hidden = hidden.index_select(1, rows)
+    if args:
+        args = (hidden,) + tuple(args[1:])
+    else:
+        kwargs["hidden_states"] = hidden
+    pe = kwargs.get("position_embeddings")
+    if pe is not None:
+        kwargs["position_embeddings"] = tuple(t.index_select(-2, rows) if t.shape[-2] == m else t for t in pe)
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == m:
+        kwargs["position_ids"] = pos.index_select(-1, rows)
+    run.rows[module.self_attn.layer_idx] = rows
+    return args, kwargs
+
+
+def install(model) -> None:
+    """Put the pruning pre-hook on every decoder layer of the language model, once (idempotent);
+    it does nothing outside a pruning run's prefill."""
+    for layer in model.model.language_model.layers:
+        if not getattr(layer, "_sparsevid_prune_hook", False):
+            layer.register_forward_pre_hook(_prune_rows, with_kwargs=True)
+            layer._sparsevid_prune_hook = True
+
+
+def no_mask(*args, **kwargs):
     """Batch size 1 without padding: causality is handled inside `sparsevid_attention`."""
     return None
 
 
 def register() -> str:
     AttentionInterface.register(NAME, sparsevid_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    AttentionMaskInterface.register(NAME, no_mask)
     return NAME
 
 

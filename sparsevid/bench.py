@@ -16,11 +16,31 @@ import torch
 from tqdm import tqdm
 
 from .engine import Sampling
-from .methods import add_ratios, parse_methods, run_method
+from .methods import check_settings, parse_methods
 from .models import load_model
+from .runs import figures, run_method, warm_up
+from .tables import cell, markdown_table
 
 ROW_FIELDS = ("speedup", "acceptance", "tokens_per_round", "identical_to_dense", "kv_ratio", "predicted_speedup",
-              "e2e_speedup")
+              "e2e_speedup", "bound_speedup", "draft_step_cost", "verify_cost")
+# A direct policy's costs (`metrics.efficiency_pct`), each as % of dense in the same run
+COST_FIELDS = ("prefill_flops_pct", "prefill_wall_pct", "prefill_kv_pct", "decode_kv_pct", "peak_memory_pct",
+               "latency_pct", "decode_flops_pct")
+
+
+def add_arguments(p) -> None:
+    """bench's own flags (the model and method flags come from the CLI)."""
+    p.add_argument("--frames", default="16,64,256", help="comma list of frame counts")
+    p.add_argument("--video", default=None, help="video file (default: a synthetic long clip)")
+    p.add_argument("--question", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clips", type=int, default=0, help="held-out toy questions per frame count (accuracy and "
+                   "medians over them; default: one synthetic 'describe' clip)")
+    p.add_argument("--shape", default=None, help="mechanical benchmark at a real model's shape, e.g. qwen2-vl-7b")
+    p.add_argument("--visual-tokens", default="4096,16384,32768", help="for --shape")
+    p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
+    p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
+    p.add_argument("--json", action="store_true")
 
 
 def bench_clip(frames: int, video: str | None, question: str | None):
@@ -35,6 +55,27 @@ def bench_clip(frames: int, video: str | None, question: str | None):
     return s.clip.frames, question or s.question, s.answer
 
 
+def toy_clips(n: int, frames: int) -> list:
+    """n held-out toy questions with `frames` frames (as `toy eval` draws them): (frames, question, answer)."""
+    from .toy.evaluate import eval_samples
+
+    return [(s.clip.frames, s.question, s.answer) for s in eval_samples(n, frames)]
+
+
+def _correct(trace, answer) -> bool | None:
+    """The answer matches the clip's (toy clips; None without a known answer)."""
+    if answer is None:
+        return None
+    from .toy.questions import normalise
+
+    return normalise(trace.text) == normalise(answer)
+
+
+def _pct(flags: list) -> float | None:
+    flags = [f for f in flags if f is not None]
+    return 100 * sum(flags) / len(flags) if flags else None
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -45,58 +86,75 @@ def _median(values):
 
 
 def bench_main(args) -> int:
+    """Each method interleaved with dense on the same clip(s), after a warm-up; medians over
+    clips and repeats."""
     if args.shape:
         return mechanical(args)
-    from .cli import settings_from
-
     loaded = load_model(args.model, args.device, args.dtype)
-    settings = settings_from(args)
+    settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
-    bar = tqdm(total=len(frame_counts) * len(names) * args.repeats, desc="bench", file=sys.stderr)
-    for F in frame_counts:
-        frames, question, _ = bench_clip(F, args.video, args.question)
-        inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
-        run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)  # warm-up
-        for name in names:
-            per = []
-            for _ in range(args.repeats):
-                dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
-                res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
-                add_ratios(res, dense, inputs, loaded)
-                per.append(res.extra)
-                bar.update()
-            row = dict(frames=F, visual_tokens=inputs.m_v, method=name, tokens=len(res.token_ids))
-            row.update({f: _median([p.get(f) for p in per]) for f in ROW_FIELDS})
-            rows.append(row)
-    bar.close()
+    bar = tqdm(total=len(frame_counts) * len(names) * args.repeats * max(1, args.clips), desc="bench",
+               file=sys.stderr)
+    try:
+        for F in frame_counts:
+            clips = toy_clips(args.clips, F) if args.clips else [bench_clip(F, args.video, args.question)]
+            per = {name: [] for name in names}
+            correct = {name: [] for name in ["dense"] + names}
+            for frames, question, answer in clips:
+                inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
+                warm_up(loaded, inputs)
+                for name in names:
+                    for _ in range(args.repeats):
+                        dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+                        res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
+                        per[name].append(dict(figures(res, dense, loaded, inputs), tokens=len(res.token_ids)))
+                        bar.update()
+                    correct[name].append(_correct(res, answer))
+                correct["dense"].append(_correct(dense, answer))
+            for name in names:
+                row = dict(frames=F, visual_tokens=inputs.m_v, method=name, clips=len(clips),
+                           tokens=_median([p["tokens"] for p in per[name]]))
+                row.update({f: _median([p.get(f) for p in per[name]]) for f in ROW_FIELDS + COST_FIELDS})
+                row.update(accuracy=_pct(correct[name]), dense_accuracy=_pct(correct["dense"]))
+                rows.append(row)
+    finally:
+        bar.close()
     if args.json:
-        print(json.dumps(dict(model=loaded.name, device=str(loaded.device), gamma=settings.gamma, k=settings.k,
-                              repeats=args.repeats, ignore_eos=args.ignore_eos, threads=torch.get_num_threads(),
-                              rows=rows)))
-    else:
-        print(format_table(rows))
+        print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
+                              ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), rows=rows)))
+        return 0
+    print(format_table(rows))
+    costs = [r for r in rows if r.get("prefill_flops_pct") is not None]
+    if costs:
+        print()
+        print(format_cost_table(costs))
     return 0
 
 
-def format_table(rows: list[dict]) -> str:
-    def f(v, kind=""):
-        if v is None:
-            return "-"
-        if isinstance(v, bool):
-            return "yes" if v else "NO"
-        return {"pct": f"{v:.0%}", "x": f"{v:.2f}x"}.get(kind, f"{v:.2f}")
+COLUMNS = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), ("method", "method", ""),
+           ("tokens", "tokens", "g"), ("decode speedup", "speedup", "x"), ("end-to-end", "e2e_speedup", "x"),
+           ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
+           ("identical", "identical_to_dense", ""), ("KV vs dense", "kv_ratio", "pct"),
+           ("I/O-model speedup", "predicted_speedup", "x"), ("bound from step costs", "bound_speedup", "x")]
 
-    lines = ["| frames | visual tokens | method | tokens | decode speedup | end-to-end | acceptance | tokens/round | "
-             "identical | KV vs dense | I/O-model speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+def format_table(rows: list[dict]) -> str:
+    return markdown_table([c[0] for c in COLUMNS], [[cell(r.get(k), kind) for _, k, kind in COLUMNS] for r in rows])
+
+
+def format_cost_table(rows: list[dict]) -> str:
+    """A direct policy's costs as % of dense (medians over clips and repeats) and accuracy."""
+    head = ["frames", "visual tokens", "method", "clips", "prefill FLOPs %", "prefill wall %", "prefill KV %",
+            "decode KV %", "peak mem %", "e2e latency %", "decode FLOPs %", "accuracy % (dense)"]
+    body = []
     for r in rows:
-        lines.append(f"| {r['frames']} | {r['visual_tokens']} | {r['method']} | {r.get('tokens', '-')} | "
-                     f"{f(r['speedup'], 'x')} | {f(r.get('e2e_speedup'), 'x')} | {f(r['acceptance'], 'pct')} | "
-                     f"{f(r['tokens_per_round'])} | {f(r['identical_to_dense'])} | {f(r['kv_ratio'], 'pct')} | "
-                     f"{f(r['predicted_speedup'], 'x')} |")
-    return "\n".join(lines)
+        acc = "-" if r.get("accuracy") is None else f"{r['accuracy']:.1f} ({r['dense_accuracy']:.1f})"
+        body.append([str(r["frames"]), str(r["visual_tokens"]), r["method"], str(r.get("clips", 1))]
+                    + ["-" if r.get(k) is None else f"{r[k]:.0f}" for k in COST_FIELDS] + [acc])
+    return markdown_table(head, body)
 
 
 # Language-model shapes of the supported 7B-class checkpoints (from their published config.json).
@@ -121,9 +179,9 @@ def mechanical(args) -> int:
     import transformers
 
     from .attention import NAME, Run
-    from .cache import KVCache, LayerSelection, SparseKV
+    from .cache import KVCache, LayerSelection, Prompt, SparseKV
+    from .methods.base import visual_budget
     from .models import pick_device
-    from .policies import visual_budget
 
     if args.shape not in SHAPES:
         from .errors import InputError
@@ -141,15 +199,16 @@ def mechanical(args) -> int:
     model = transformers.Qwen2ForCausalLM(config).to(dev, dtype).eval()
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     D = config.hidden_size // H
-    gamma = args.gamma
+    gamma = int(args.settings.get("gamma", 9))
+    k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
     rows = []
     for m_v in [int(v) for v in args.visual_tokens.split(",")]:
         m_t = 64
         m = m_v + m_t
-        K = visual_budget(args.k, m_v, m_t)
+        K = visual_budget(k, m_v, m_t)
         cache = KVCache(layers, m + gamma + 8)
         vis = torch.arange(16, 16 + m_v)
-        run = Run(cache, H, vis, 16 + m_v)
+        run = Run(cache, Prompt(m, vis, 16 + m_v, layers, H, Hkv))
         for layer in cache.layers:
             kv = torch.randn(2, 1, Hkv, m, D, device=dev, dtype=dtype)
             layer.lazy_initialization(kv[0], kv[1])

@@ -4,8 +4,9 @@
 is 1 throughout (one video, one question). Two logical lengths are tracked:
 
 - the **dense** cache: per layer `[1, Hkv, capacity, D]`, written in place (no `torch.cat` per step);
-- the **sparse** cache (`SparseKV`, one per layer): the kept prompt entries, gathered once at
-  prefill, plus room for generated tokens. Its memory is proportional to the entries kept.
+- the **sparse** cache (`SparseKV`, one per layer whose policy selected): the kept prompt entries,
+  gathered once at prefill, plus room for generated tokens. Its memory is proportional to the
+  entries kept. A layer whose policy keeps everything has no compact copy: it uses the dense one.
 
 `mode` says which one the current forward reads and writes. Lengths only move when the engine
 calls `advance` / `truncate`, so rollback after a rejected draft is a change of one integer.
@@ -13,7 +14,7 @@ calls `advance` / `truncate`, so rollback after a rejected draft is a change of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,50 +22,53 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 @dataclass
+class Prompt:
+    """The prompt a policy selects from (batch size 1).
+
+    m: prompt length; visual_positions: LongTensor [m_v], sorted; query_start: the first position
+    after the visual span (the query tokens start here); model sizes L, H (query heads), Hkv.
+    """
+
+    m: int
+    visual_positions: torch.Tensor
+    query_start: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def m_v(self) -> int:
+        return int(self.visual_positions.numel())
+
+    @property
+    def m_t(self) -> int:
+        return self.m - self.m_v
+
+
+@dataclass
 class LayerSelection:
-    """What one layer's sparse cache keeps.
+    """What one layer's sparse cache keeps, and who may read it.
 
     keep: one sorted LongTensor per KV head `g` ([n_g] prompt positions), text positions included
         where the method keeps them. Generated tokens are always kept.
-    query_mask: optional bool [H, m]: prompt positions query head `h` may attend (HT-Sparse sparse
-        heads inside a group that also serves a full head).
-    head_scale: optional float [H]: output multiplier per query head (0 = dropped head).
-    route_prefill: also apply this selection to the query rows of prefill (HT-Sparse), when the
-        policy is used directly (a draft's prefill stays dense: it fills the dense cache).
-    roles: optional int8 [H] for the trace (0 full, 1 sparse, 2 dropped).
-    low_rank: r > 0 scores the prompt keys in rank r (HT-Sparse step 5): the attention hook replaces
-        each KV head's prompt keys by `k P Pᵀ` (`low_rank_keys`) before they are gathered and before
-        the routed prefill rows, so `q · k P Pᵀ = (q P) · (k P)` is the rank-r score. Values and the
-        generated tokens' keys are untouched. 0 = off.
+    query_mask: optional bool [H, m]: prompt positions query head `h` may attend, when the query
+        heads of one group may not all read the whole of the group's `keep`.
+    head_scale: optional float [H]: output multiplier per query head (0: the head contributes nothing).
+    info: what the policy wants recorded in the run's trace for this layer (tensors or numbers,
+        e.g. HT-Sparse's head roles [H], saliency [H] and selected visual positions [k]).
     """
 
     keep: list[torch.Tensor]
     query_mask: torch.Tensor | None = None
     head_scale: torch.Tensor | None = None
-    route_prefill: bool = False
-    roles: torch.Tensor | None = None
-    low_rank: int = 0
+    info: dict = field(default_factory=dict)
 
     @property
     def lengths(self) -> list[int]:
         return [int(k.numel()) for k in self.keep]
 
 
-def keep_all(m: int, num_kv_heads: int) -> LayerSelection:
-    return LayerSelection([torch.arange(m)] * num_kv_heads)
-
-
-def low_rank_keys(keys: torch.Tensor, rank: int) -> torch.Tensor:
-    """keys [1, Hkv, m, D] -> the same keys projected per head onto the top-`rank` right singular
-    vectors of that head's keys: k P Pᵀ with P [D, rank] (SVD in float32 at least)."""
-    k = keys[0].to(torch.promote_types(keys.dtype, torch.float32))  # [Hkv, m, D]
-    rank = min(rank, k.shape[-1])
-    _, _, vh = torch.linalg.svd(k, full_matrices=False)  # vh [Hkv, D, D]
-    p = vh[:, :rank].transpose(1, 2)  # [Hkv, D, rank]
-    return (k @ p @ p.transpose(1, 2)).to(keys.dtype)[None]
-
-
-def _causal_mask(rows: int, n: int, device) -> torch.Tensor:
+def causal_mask(rows: int, n: int, device) -> torch.Tensor:
     """bool [rows, n]: row t (the t-th of the last `rows` positions) sees keys j <= n - rows + t."""
     return torch.arange(n, device=device)[None, :] <= torch.arange(n - rows, n, device=device)[:, None]
 
@@ -83,7 +87,7 @@ def grouped_sdpa(query, key, value, scale, bias=None):
     G = H // Hkv
     mask = None
     if q > 1:
-        causal = _causal_mask(q, n, query.device)
+        causal = causal_mask(q, n, query.device)
         mask = torch.zeros(q, n, dtype=query.dtype, device=query.device).masked_fill_(~causal, float("-inf"))
         mask = mask.expand(Hkv, G, q, n)
     if bias is not None:
@@ -196,7 +200,14 @@ class SparseKV:
 
 
 class LayerKV(CacheLayerMixin):
-    """One layer of `KVCache`: writes go to the dense buffer or to the sparse cache by mode."""
+    """One layer of `KVCache`.
+
+    It holds a dense buffer `keys, values [1, Hkv, capacity, D]` when the run stores dense KV
+    (dense decoding, and the verifier of speculative decoding) or when its policy keeps every
+    entry of this layer (`sparse` is None); and a compact `SparseKV` when its policy selected.
+    In sparse mode a layer without `SparseKV` reads and writes its dense buffer: a draft layer
+    that keeps everything holds no copy.
+    """
 
     is_sliding = False
 
@@ -212,22 +223,28 @@ class LayerKV(CacheLayerMixin):
         self.values = value_states.new_empty(shape)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        o = self.owner
-        q = key_states.shape[2]
-        if o.mode == "sparse":
-            self.sparse.write(key_states, value_states, o.sparse_len - o.prompt_len)
-            return key_states, value_states
-        if not o.store_dense:  # direct sparse method at prefill: the full KV is never held
-            return key_states, value_states
+    def store(self, key_states, value_states, start: int):
+        """Write [1, Hkv, q, D] at positions [start, start + q) of the dense buffer; return the
+        buffer's first start + q entries."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        s = o.dense_len
-        if s + q > o.capacity:
-            raise RuntimeError(f"KV cache capacity {o.capacity} exceeded")
-        self.keys[:, :, s:s + q] = key_states
-        self.values[:, :, s:s + q] = value_states
-        return self.keys[:, :, :s + q], self.values[:, :, :s + q]
+        q = key_states.shape[2]
+        if start + q > self.owner.capacity:
+            raise RuntimeError(f"KV cache capacity {self.owner.capacity} exceeded")
+        self.keys[:, :, start:start + q] = key_states
+        self.values[:, :, start:start + q] = value_states
+        return self.keys[:, :, :start + q], self.values[:, :, :start + q]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        o = self.owner
+        if o.mode == "sparse":
+            if self.sparse is None:
+                return self.store(key_states, value_states, o.sparse_len)
+            self.sparse.write(key_states, value_states, o.sparse_len - o.prompt_len)
+            return key_states, value_states
+        if not o.store_dense:  # a direct policy's prefill: the attention keeps what the policy selects
+            return key_states, value_states
+        return self.store(key_states, value_states, o.dense_len)
 
     def get_seq_length(self) -> int:
         return self.owner.length
@@ -238,12 +255,25 @@ class LayerKV(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
+    def nbytes(self) -> int:
+        """KV bytes this layer holds: its dense buffer's filled entries and its compact cache."""
+        o = self.owner
+        n = 0
+        if self.is_initialized:
+            filled = o.dense_len if o.store_dense else o.sparse_len
+            n += 2 * self.keys[:, :, :filled].numel() * self.keys.element_size()
+        if self.sparse is not None:
+            n += self.sparse.nbytes(o.sparse_len - o.prompt_len)
+        return n
+
 
 class KVCache(Cache):
-    """Dense preallocated cache + optional per-layer sparse caches, batch size 1.
+    """Dense preallocated cache + optional per-layer compact caches, batch size 1.
 
     capacity: prompt length + the most tokens that will ever be written (max_new_tokens + γ + 1).
-    store_dense: False for sparse methods used directly: only the compact caches are held.
+    store_dense: False for sparse methods used directly: only what the policy keeps is held.
+    Two lengths: `dense_len` (the dense buffers, dense mode) and `sparse_len` (what a draft or
+    direct policy has fed, sparse mode); rollback is a change of one of them.
     """
 
     def __init__(self, num_layers: int, capacity: int, store_dense: bool = True):
@@ -270,20 +300,18 @@ class KVCache(Cache):
     def set_sparse(self, layer: int, sparse: SparseKV) -> None:
         self.layers[layer].sparse = sparse
 
-    @property
-    def has_sparse(self) -> bool:
-        return all(layer.sparse is not None for layer in self.layers)
-
     def refresh_sparse(self, start: int, end: int) -> None:
-        """Overwrite the sparse caches' entries for positions [start, end) with the dense KV."""
+        """Overwrite the compact caches' entries for positions [start, end) with the dense KV."""
         for layer in self.layers:
-            layer.sparse.copy_generated(layer.keys[:, :, start:end], layer.values[:, :, start:end],
-                                        start - self.prompt_len)
+            if layer.sparse is not None:
+                layer.sparse.copy_generated(layer.keys[:, :, start:end], layer.values[:, :, start:end],
+                                            start - self.prompt_len)
 
-    def dense_nbytes(self) -> int:
-        return sum(2 * l.keys[:, :, :self.dense_len].numel() * l.keys.element_size()
-                   for l in self.layers if l.is_initialized)
+    def nbytes(self) -> int:
+        """KV bytes held now, every layer, dense buffers and compact caches."""
+        return sum(layer.nbytes() for layer in self.layers)
 
     def sparse_nbytes(self) -> int:
+        """KV bytes of the compact caches only."""
         n_gen = self.sparse_len - self.prompt_len
         return sum(l.sparse.nbytes(n_gen) for l in self.layers if l.sparse is not None)

@@ -1,22 +1,29 @@
-"""The decoding engine: prefill, then token-by-token decoding on a preallocated cache.
+"""The decoding engine: prefill, then decoding on a preallocated cache; dense, direct or speculative.
 
-`decode` runs dense (the full cache) or a selection policy directly (lossy: only the compact
-caches are held). `speculative.py` reuses `prefill` and `step` for drafts verified by dense.
+- `decode`: dense (the full cache) or a selection policy applied directly (lossy: only the compact
+  caches are held);
+- `speculative_decode`: a draft (a policy's compact caches, or the first L_e layers) proposes γ
+  tokens, dense verifies them in one pass (the StD paper): lossless.
+
+Every decode step goes through `adapters.text_step` with positions the adapter computed once per
+run, so a run never writes on the loaded model. Each run returns a plain `traces.Trace`.
 """
 
 from __future__ import annotations
 
-import inspect
+import ctypes
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .adapters import VideoInputs
+from .adapters import VideoInputs, text_step
 from .attention import Run, active
-from .cache import KVCache
+from .cache import KVCache, LayerSelection, Prompt
 from .models import Loaded
+from .traces import LayerRecord, Round, Trace
 
 
 @dataclass
@@ -61,111 +68,139 @@ def choose(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> in
     return int(torch.multinomial(probs_from_logits(logits, s), 1, generator=gen))
 
 
-@dataclass
-class Result:
-    """One method's run. Times in seconds; kv_bytes: KV entries held at the end of decoding."""
-
-    method: str
-    token_ids: list[int]
-    text: str
-    prefill_s: float
-    decode_s: float
-    step_s: list[float]
-    kv_bytes: int
-    extra: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def reset_peak_memory(device: torch.device) -> None:
+_RSS_BASE: list[int] = []  # resident bytes at the last CPU `_reset_peak`
+
+
+def _status_bytes(field: str) -> int:
+    """A `/proc/self/status` memory field (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak(device: torch.device) -> None:
+    """CUDA: reset the allocator's peak. CPU (Linux, glibc): hand freed heap back to the system
+    (`malloc_trim`), reset the process's peak resident size (`/proc/self/clear_refs`, 5) and note
+    the resident size now, so `_peak` measures this run's own growth."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device) -> int | None:
-    """Peak bytes allocated since `reset_peak_memory` (CUDA only; None elsewhere)."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=None, store_dense=True,
-            keep_stats=False) -> Run:
-    cache = KVCache(loaded.num_layers, inputs.m + capacity_extra, store_dense=store_dense)
-    return Run(cache, loaded.num_heads, inputs.visual_positions, inputs.query_start, policy, keep_stats)
-
-
-def align_mrope_decode(model, model_kwargs: dict) -> None:
-    """M-RoPE models (Qwen2-VL, Qwen2.5-VL): make the tokens fed after the prompt continue from the
-    prompt's last position, as `generate` does and as one forward over prompt + answer does.
-
-    transformers' forward places a cached step at `cache length + rope_deltas`, with rope_deltas
-    taken from the largest position anywhere in the prompt; `get_rope_index` (transformers 5.x) puts
-    the text after a video at positions that can be far below the video's largest temporal index.
-    On a 256-frame clip the prompt ended at 31 and decoding went on at 143, not 32: multi-token
-    answers lost words. Rewrites `model.model.rope_deltas` [B, 1] from the prompt's own positions.
-    No-op for other models."""
-    inner = getattr(model, "model", None)
-    if getattr(inner, "rope_deltas", None) is None or not hasattr(inner, "get_rope_index"):
         return
-    params = inspect.signature(inner.get_rope_index).parameters
-    kw = {k: v for k, v in model_kwargs.items() if k in params and k != "input_ids"}
-    ids = model_kwargs["input_ids"]
-    pos, _ = inner.get_rope_index(ids, **kw)  # [3, B, L]
-    inner.rope_deltas = (pos[:, :, -1].amax(0) + 1 - ids.shape[1]).unsqueeze(1).to(inner.rope_deltas)
+    _RSS_BASE.clear()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _RSS_BASE.append(_status_bytes("VmRSS"))
+    except (OSError, KeyError):  # not Linux/glibc: no CPU measurement
+        pass
+
+
+def _peak(device: torch.device) -> tuple[int | None, str | None]:
+    """(bytes, source): CUDA peak allocated since `_reset_peak`, or the CPU peak resident growth."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda"
+    if not _RSS_BASE:
+        return None, None
+    return max(0, _status_bytes("VmHWM") - _RSS_BASE[0]), "rss"
+
+
+def prompt_of(loaded: Loaded, inputs: VideoInputs) -> Prompt:
+    return Prompt(inputs.m, inputs.visual_positions, inputs.query_start, loaded.num_layers, loaded.num_heads,
+                  loaded.num_kv_heads)
+
+
+def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=None, store_dense: bool = True,
+            keep_stats: bool = False, copy_all: bool = False) -> Run:
+    cache = KVCache(loaded.num_layers, inputs.m + capacity_extra, store_dense=store_dense)
+    return Run(cache, prompt_of(loaded, inputs), policy, keep_stats, copy_all)
 
 
 @torch.inference_mode()
 def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
-    """Run the prompt through the model, filling the caches. Returns the last position's logits [V]."""
-    with active(run):
-        out = loaded.model(**inputs.model_kwargs, past_key_values=run.cache, use_cache=True, logits_to_keep=1)
-    align_mrope_decode(loaded.model, inputs.model_kwargs)
+    """Run the prompt through the model, filling the caches, at the positions the adapter computed.
+    Returns the last position's logits [V] and sets `run.position_offset` (decode position minus
+    cache length)."""
+    positions, next_position = loaded.adapter.positions(loaded.model, inputs)
+    kw = dict(inputs.model_kwargs, **({} if positions is None else dict(position_ids=positions)))
+    try:
+        with active(run):
+            out = loaded.model(**kw, past_key_values=run.cache, use_cache=True, logits_to_keep=1)
+    finally:
+        run.prune = None  # pruning is for this prefill only (decode steps are never pruned)
+    run.position_offset = next_position - inputs.m
     run.cache.finish_prefill(inputs.m)
     return out.logits[0, -1]
 
 
 @torch.inference_mode()
-def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None) -> torch.Tensor:
-    """Feed `tokens` (appended after the current length of `mode`'s cache). Returns logits [q, V]."""
+def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None,
+         num_layers: int | None = None) -> torch.Tensor:
+    """Feed `tokens` after the current length of `mode`'s cache (through the first `num_layers`
+    layers, all by default). Returns logits [q, V]."""
     cache = run.cache
     if mode is not None:
         cache.mode = mode
-    ids = torch.tensor([tokens], device=loaded.device)
+    dev = loaded.device
+    ids = torch.tensor([tokens], device=dev)
+    pos = loaded.adapter.position_ids(cache.length + run.position_offset, len(tokens), dev)
     with active(run):
-        out = loaded.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        logits = text_step(loaded.model, ids, pos, cache, num_layers)
     cache.advance(len(tokens))
-    return out.logits[0]
+    return logits[0]
+
+
+def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.Tensor] | None = None,
+                  m: int | None = None) -> dict[int, LayerRecord]:
+    """The run's selections as plain records (numpy, on the CPU), in prompt positions: a pruned
+    layer's (`rows[layer]`: the original positions [m'] of the rows it processed, m the prompt
+    length) kept positions, query mask and selected tokens are mapped back through its rows."""
+    def np_(x):
+        return None if x is None else x.detach().cpu().numpy()
+
+    rows = rows or {}
+    out = {}
+    for layer, sel in sorted(selections.items()):
+        r = rows.get(layer)
+        r = None if r is None else r.cpu()
+        keep, qmask, info = sel.keep, sel.query_mask, dict(sel.info)
+        if r is not None:
+            keep = [r[k.cpu()] for k in keep]
+            if qmask is not None:
+                full = torch.zeros(qmask.shape[0], m, dtype=torch.bool)
+                full[:, r] = qmask.cpu()
+                qmask = full
+            if isinstance(info.get("tokens"), torch.Tensor):
+                info["tokens"] = r[info["tokens"].cpu()]
+        out[layer] = LayerRecord([k.cpu().numpy().astype(np.int32) for k in keep], np_(qmask), np_(sel.head_scale),
+                                 {k: np_(v) if isinstance(v, torch.Tensor) else v for k, v in info.items()},
+                                 rows=None if r is None else r.numpy().astype(np.int32))
+    return out
 
 
 @torch.inference_mode()
 def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 64,
            sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
-           keep_stats: bool = False) -> Result:
-    """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only)."""
+           keep_stats: bool = False, run_out: list | None = None) -> Trace:
+    """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only).
+    `run_out`, if given, receives the `Run` (its prefill statistics, for evaluation figures)."""
     dev = loaded.device
     eos = sampling.eos(loaded)
     run = new_run(loaded, inputs, max_new_tokens + 1, policy, store_dense=policy is None, keep_stats=keep_stats)
     gen = sampling.generator(dev)
     sync(dev)
-    reset_peak_memory(dev)
+    _reset_peak(dev)
     t0 = time.perf_counter()
-    logits = prefill(loaded, inputs, run)
-    tokens: list[int] = []
-    tok = choose(logits, sampling, gen)
+    tok = choose(prefill(loaded, inputs, run), sampling, gen)
     sync(dev)
     t1 = time.perf_counter()
-    steps = []
+    tokens, steps = [], []
     while True:
         tokens.append(tok)
         if on_token is not None:
@@ -173,13 +208,182 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
         if tok in eos or len(tokens) >= max_new_tokens:
             break
         ts = time.perf_counter()
-        logits = step(loaded, run, [tok])[-1]
-        tok = choose(logits, sampling, gen)
+        tok = choose(step(loaded, run, [tok])[-1], sampling, gen)
         sync(dev)
         steps.append(time.perf_counter() - ts)
     t2 = time.perf_counter()
-    kv = run.cache.dense_nbytes() if policy is None else run.cache.sparse_nbytes()
-    res = Result(method, tokens, loaded.adapter.decode(tokens), t1 - t0, t2 - t1, steps, kv)
-    res.extra.update(peak_memory_bytes=peak_memory(dev))
-    res.trace.update(selections=run.selections, stats=run.stats)
-    return res
+    peak = _peak(dev)
+    if run_out is not None:
+        run_out.append(run)
+    return Trace(method, "dense" if policy is None else "direct", tokens, loaded.adapter.decode(tokens), t1 - t0,
+                 t2 - t1, run.cache.nbytes(), step_s=steps, layers=layer_records(run.selections, run.rows, inputs.m),
+                 peak_memory_bytes=peak[0], peak_memory_source=peak[1])
+
+
+class PolicyDraft:
+    """Draft = the model over the compact caches built by `policy` at prefill (StD, Streaming,
+    HT-Sparse, SparseMM as drafts). A layer the policy keeps whole reads the dense cache.
+
+    The draft cache holds every committed token except `pending` (1 token, or 2 when the whole
+    draft was accepted and `refresh` is off). With `refresh`, after each round the accepted
+    tokens' KV in the compact caches is replaced by dense's (n+1 entries copied).
+    """
+
+    def __init__(self, policy, refresh: bool = True):
+        self.policy, self.refresh = policy, refresh
+
+    def begin(self, run: Run, committed: list[int]) -> None:
+        self.pending = committed[-1:]
+
+    def feed(self) -> list[int]:
+        return self.pending
+
+    def forward(self, loaded: Loaded, run: Run, tokens: list[int]) -> torch.Tensor:
+        return step(loaded, run, tokens, mode="sparse")
+
+    def before_verify(self, run: Run) -> None:
+        """The compact caches keep the draft's entries until the round ends."""
+
+    def end_round(self, run: Run, n_draft_fed: int, out: list[int]) -> None:
+        """After verification: `out` is every committed token; the dense cache holds all but the last."""
+        cache = run.cache
+        committed_len = cache.dense_len
+        if self.refresh:
+            cache.refresh_sparse(cache.sparse_len - n_draft_fed, committed_len)
+            cache.sparse_len = committed_len
+            self.pending = out[-1:]
+        else:  # the draft keeps its own KV for the committed tokens it was fed
+            cache.sparse_len = min(cache.sparse_len, committed_len)
+            self.pending = out[-(committed_len + 1 - cache.sparse_len):]
+
+
+class LayerSkipDraft:
+    """Draft = the first `layers` decoder layers + final norm + LM head (tuning-free).
+
+    Its KV in those layers is exactly dense's, so it reads and writes the dense cache; the dense
+    verification pass rewrites the same positions, and the length is restored after drafting.
+    """
+
+    policy = None
+
+    def __init__(self, layers: int):
+        self.layers = layers
+
+    def begin(self, run: Run, committed: list[int]) -> None:
+        self.last = committed[-1:]
+        self._start = None  # dense length before this round's draft writes
+
+    def feed(self) -> list[int]:
+        return self.last
+
+    def forward(self, loaded: Loaded, run: Run, tokens: list[int]) -> torch.Tensor:
+        if self._start is None:
+            self._start = run.cache.dense_len
+        return step(loaded, run, tokens, mode="dense", num_layers=self.layers)
+
+    def before_verify(self, run: Run) -> None:
+        """Forget the draft's dense-cache writes: verification rewrites those positions."""
+        if self._start is not None:
+            run.cache.dense_len = self._start
+            self._start = None
+
+    def end_round(self, run: Run, n_draft_fed: int, out: list[int]) -> None:
+        self.last = out[-1:]
+
+
+@torch.inference_mode()
+def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: str = "std", gamma: int = 9,
+                       max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                       on_token: Callable[[int], None] | None = None) -> Trace:
+    """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et al.'s acceptance rule).
+
+    One round: the draft proposes up to γ tokens autoregressively; dense scores them all in one
+    forward over the full cache; the longest prefix dense agrees with is accepted, then dense's own
+    next token is added as a bonus. Greedy: agreement means dense's argmax. Sampling: accept draft
+    token x with probability min(1, p(x)/q(x)), else resample from norm(max(p - q, 0)). Rollback
+    of either cache is a change of its length.
+    """
+    dev = loaded.device
+    eos = sampling.eos(loaded)
+    refresh = getattr(draft, "refresh", True)
+    run = new_run(loaded, inputs, max_new_tokens + gamma + 2, draft.policy, store_dense=True, copy_all=not refresh)
+    gen = sampling.generator(dev)
+    sync(dev)
+    _reset_peak(dev)
+    t0 = time.perf_counter()
+    out = [choose(prefill(loaded, inputs, run), sampling, gen)]
+    sync(dev)
+    t1 = time.perf_counter()
+    if on_token is not None:
+        on_token(out[0])
+    rounds: list[Round] = []
+    draft.begin(run, out)
+    while out[-1] not in eos and len(out) < max_new_tokens:
+        g = min(gamma, max_new_tokens - len(out) - 1)  # room for the bonus token
+        ts = time.perf_counter()
+        proposed, q_probs, fed, feed = [], [], 0, draft.feed()
+        for _ in range(g):
+            lg = draft.forward(loaded, run, feed)[-1]
+            fed += len(feed)
+            if sampling.greedy:
+                t = int(lg.argmax())
+            else:
+                q_probs.append(probs_from_logits(lg, sampling))
+                t = int(torch.multinomial(q_probs[-1], 1, generator=gen))
+            proposed.append(t)
+            feed = [t]
+            if t in eos:
+                break
+        draft.before_verify(run)
+        sync(dev)
+        tv = time.perf_counter()
+        lg = step(loaded, run, out[-1:] + proposed, mode="dense")  # [len(proposed) + 1, V]
+        accepted, bonus = _accept(lg, proposed, q_probs, sampling, gen)
+        committed = []
+        for t in proposed[:accepted] + [bonus]:
+            committed.append(t)
+            if t in eos or len(out) + len(committed) >= max_new_tokens:
+                break
+        # Dense cache: keep the KV of every committed token but the newest (roll back the rest).
+        run.cache.dense_len += len(committed) - (len(proposed) + 1)
+        out.extend(committed)
+        sync(dev)
+        te = time.perf_counter()
+        rounds.append(Round(proposed, accepted, bonus if len(committed) == accepted + 1 else None, tv - ts, te - tv,
+                            gamma=g))
+        if on_token is not None:
+            for t in committed:
+                on_token(t)
+        if out[-1] in eos or len(out) >= max_new_tokens:
+            break
+        draft.end_round(run, fed, out)
+    t2 = time.perf_counter()
+    peak = _peak(dev)
+    L, m = loaded.num_layers, inputs.m
+    if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
+        lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]
+        draft_entries = (sum(lens) + m * (L - len(lens))) / L
+    else:
+        draft_entries = m * draft.layers / L
+    return Trace(method, "speculative", out, loaded.adapter.decode(out), t1 - t0, t2 - t1, run.cache.nbytes(),
+                 rounds=rounds, layers=layer_records(run.selections, run.rows, inputs.m), draft_entries=draft_entries,
+                 draft_layers=getattr(draft, "layers", None), gamma=gamma, peak_memory_bytes=peak[0],
+                 peak_memory_source=peak[1])
+
+
+def _accept(lg: torch.Tensor, proposed: list[int], q_probs: list[torch.Tensor], sampling: Sampling, gen):
+    """Verification logits [n+1, V] -> (number accepted, bonus token)."""
+    if sampling.greedy:
+        target = lg.argmax(-1).tolist()
+        a = 0
+        while a < len(proposed) and proposed[a] == target[a]:
+            a += 1
+        return a, target[a]
+    p = probs_from_logits(lg, sampling)
+    for i, t in enumerate(proposed):
+        u = torch.rand((), generator=gen, device=p.device)
+        if u * q_probs[i][t] <= p[i, t]:  # u < p/q without dividing by a zero q
+            continue
+        residual = (p[i] - q_probs[i]).clamp_min(0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return len(proposed), int(torch.multinomial(p[len(proposed)], 1, generator=gen))

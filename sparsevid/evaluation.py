@@ -7,8 +7,8 @@ an id are numbered by their position ("0", "1", ...).
 
 Every item goes through dense and the chosen methods (`methods.compare`). Outputs in ``--out``:
 
-- ``results.jsonl``: one line per (item, method): the result (`cli.result_dict`: text, token_ids,
-  times, ratios against dense), ``correct`` (exact answer after `normalise`, None without a
+- ``results.jsonl``: one line per (item, method): the run's trace (`traces.Trace.to_json`: text,
+  token_ids, times, KV bytes, rounds) and its figures against dense (`metrics`), ``correct`` (exact answer after `normalise`, None without a
   reference), ``identical_to_dense``, ``frames``, ``settings``; or ``error`` when the item failed
   (unreadable video, ...), which does not stop the run.
 - ``summary.json``: per method, accuracy, agreement with dense and median / quartiles / min / max of
@@ -33,7 +33,6 @@ setting.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import glob
 import json
@@ -46,17 +45,14 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 JOURNAL = "results.part-{}.jsonl"
 STATS = ("speedup", "acceptance", "kv_ratio", "e2e_speedup")
-# First seed of `make_toy_eval_set`. Other toy seed ranges: training < 1e9, its validation 1.5e9..,
-# `python -m sparsevid.toy eval` 1.7e9.., the app's examples 2.0e9..
-TOY_EVAL_SEED = 2_100_000_000
 
 
 @functools.cache
 def defaults() -> dict:
-    """The method settings' defaults (`methods.Settings`)."""
-    from .methods import Settings
+    """Every method setting's default ({key: value}, `methods.all_options`)."""
+    from .methods import all_options
 
-    return dataclasses.asdict(Settings())
+    return {o.key: o.default for o in all_options()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,9 +139,9 @@ def run_settings(args) -> dict:
     """What a row's results depend on besides the item and method (part of its resume key): the
     method settings that differ from their defaults (so a new setting leaves old keys valid), and
     the model, frames, token limit and sampling."""
-    from .cli import settings_from
+    from .methods import check_settings
 
-    s = {k: v for k, v in dataclasses.asdict(settings_from(args)).items() if k != "extra" and v != defaults().get(k)}
+    s = {k: v for k, v in check_settings(args.settings).items() if v != defaults().get(k)}
     s.update(model=args.model, frames=args.frames, max_new_tokens=args.max_new_tokens,
              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     return s
@@ -156,12 +152,11 @@ def setting(row: dict, name: str):
     return row["settings"].get(name, defaults().get(name))
 
 
-def run_item(loaded, item: dict, names: list[str], settings, sampling, settings_dict: dict,
+def run_item(loaded, item: dict, names: list[str], settings: dict, sampling, settings_dict: dict,
              frames: int, max_new_tokens: int) -> list[dict]:
     """One row per method for one manifest item; rows with `error` when the item fails."""
-    from .cli import result_dict
     from .errors import SparsevidError
-    from .methods import compare
+    from .runs import compare
     from .toy.questions import normalise
     from .video import load_video
 
@@ -171,14 +166,15 @@ def run_item(loaded, item: dict, names: list[str], settings, sampling, settings_
     try:
         video = load_video(item["path"], int(item.get("frames") or frames))
         inputs = loaded.adapter.build_inputs(video.frames, item["question"], video.timestamps).to(loaded.device)
-        results = compare(loaded, inputs, names, settings, max_new_tokens, sampling)
+        traces, figs = compare(loaded, inputs, names, settings, max_new_tokens, sampling)
     except Exception as e:  # recorded; the run goes on (KeyboardInterrupt is not an Exception)
         msg = str(e) if isinstance(e, SparsevidError) else f"{type(e).__name__}: {e}"
         return [dict(base, method=name, error=msg) for name in names]
     rows = []
-    for name, res in results.items():
+    for name, res in traces.items():
         row = dict(base, method=name, frames=len(video.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m)
-        row.update(result_dict(res))
+        row.update(res.to_json())
+        row.update(figs.get(name, {}))
         if name == "dense":
             row.update(speedup=1.0, e2e_speedup=1.0, kv_ratio=1.0, identical_to_dense=True)
         row.setdefault("acceptance", None)  # direct methods and dense have none
@@ -201,9 +197,8 @@ def eval_main(args) -> int:
     from accelerate.utils import gather_object
     from tqdm import tqdm
 
-    from .cli import settings_from
     from .engine import Sampling
-    from .methods import parse_methods
+    from .methods import check_settings, parse_methods
     from .models import load_model
 
     state = distributed_state(args)
@@ -236,7 +231,7 @@ def eval_main(args) -> int:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n_proc))
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // per_node))
         loaded = load_model(args.model, device, args.dtype)
-        settings = settings_from(args)
+        settings = check_settings(args.settings)
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         with state.split_between_processes(todo) as mine:
             if n_proc > 1:
@@ -361,8 +356,9 @@ def table_rows(summary: dict) -> list[list[str]]:
 
 def format_table(summary: dict) -> str:
     """The summary as a markdown table."""
-    lines = [COLUMNS, ["---"] * len(COLUMNS)] + table_rows(summary)
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    from .tables import markdown_table
+
+    return markdown_table(list(COLUMNS), table_rows(summary))
 
 
 def figures(rows: list[dict], summary: dict) -> list:
@@ -464,47 +460,9 @@ td,th{{border:1px solid #ccc;padding:4px 8px}}</style></head><body>
         f.write(page)
 
 
-# --------------------------------------------------------------------------------------------------
-# Toy evaluation set and CLI
-# --------------------------------------------------------------------------------------------------
-
-
-def make_toy_eval_set(n: int, out: str, frames=(16,), seed: int | None = None) -> str:
-    """Write n toy clips (mp4) with questions, reference answers and boxes, and out/manifest.jsonl.
-
-    Item i: seed `seed + i`, question type cycling over all types, length cycling over `frames`.
-    The default seeds (2.1e9..) are disjoint from the other toy seed ranges (training, validation, toy eval, examples).
-    """
-    from .toy.questions import QTYPES, make_sample
-    from .video import write_video
-
-    seed = TOY_EVAL_SEED if seed is None else seed
-
-    os.makedirs(os.path.join(out, "clips"), exist_ok=True)
-    lines = []
-    for i in range(n):
-        F = frames[i % len(frames)]
-        s = make_sample(seed + i, F, QTYPES[i % len(QTYPES)])
-        video = f"clips/toy-{i:04d}.mp4"
-        write_video(os.path.join(out, video), s.clip.frames)
-        lines.append(dict(id=f"toy-{i:04d}", video=video, question=s.question, answer=s.answer,
-                          boxes=s.boxes(normalised=True), frames=F, qtype=s.qtype, seed=seed + i))
-    path = os.path.join(out, MANIFEST)
-    write_rows(path, lines)
-    return path
-
-
-def add_cli(sub) -> None:
-    """Add `eval` to `python -m sparsevid`'s subcommands."""
-    from .cli import add_method_args, add_model_args
-
-    p = sub.add_parser("eval", help="dense and methods over a manifest of clips (accelerate launch: several processes)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="manifest.jsonl, or a folder holding one")
-    add_model_args(p)
-    add_method_args(p)
+def add_arguments(p) -> None:
+    """eval's own flags (the model and method flags come from the CLI)."""
     p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (unless the item sets 'frames')")
     p.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, report.*)")
     p.add_argument("--report", action="store_true", help="also write report.html and report.md")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=eval_main)

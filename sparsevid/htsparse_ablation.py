@@ -1,16 +1,17 @@
-"""HT-Sparse ablation on the embedded toy model's held-out clips (SPEC §3.2 figures).
+"""HT-Sparse ablation on the embedded toy model's held-out clips (the paper's figures, as % of dense).
 
     python -m sparsevid.htsparse_ablation --n 20 --frames 16,256 \
         --configs "variant=ht,head,token;layers=early,mid,late,mid+late"
 
-Each `--configs` axis is `field=v1,v2,...`: a field of `methods.Settings`, without its `ht_`
-prefix where it has one (variant, layers, eta, l_v, tau, heads_full, heads_sparse, drop_mode,
-summary, by_group); axes are joined by `;` into a cartesian product, products by `|`. Every
+Each `--configs` axis is `key=v1,v2,...`: an HT-Sparse setting (`methods.all_options`), without
+its `ht_` prefix where it has one (variant, layers, eta, l_v, tau, heads_full, heads_sparse,
+drop_mode, summary, by_group, prune_after); axes are joined by `;` into a cartesian product, products by `|`. Every
 combination runs as the `htsparse` method beside dense on each clip (same process, same inputs).
 A row: accuracy (exact answer, as `python -m sparsevid.toy eval`), the share of clips answered
-token for token as dense did, and medians over clips of decode KV %, KV held at the end
-(kv_ratio), end-to-end latency % (all clips, and long clips only), prefill / decode FLOPs % and
-peak memory % against dense (`htsparse.htsparse_figures`).
+token for token as dense did, and medians over clips of decode KV %, prefill KV %, end-to-end
+latency % (all clips, and long clips only), prefill wall time % (long clips), prefill / decode
+FLOPs % and peak memory % against dense (`metrics.efficiency_pct`). Latency and prefill wall
+time are against the mean of a dense run before and one after the configs.
 """
 
 from __future__ import annotations
@@ -21,25 +22,14 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 FIGS = ("decode_kv_pct", "kv_ratio", "latency_pct", "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct",
-        "prefill_kv_pct")
-ALIASES = {"variant": "ht_variant", "layers": "ht_layers", "summary": "ht_summary", "by_group": "ht_by_group"}
-
-
-def parse_value(v: str):
-    if v.lower() in ("none", "true", "false"):
-        return {"none": None, "true": True, "false": False}[v.lower()]
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
+        "prefill_kv_pct", "prefill_wall_pct")
+ALIASES = {"variant": "ht_variant", "layers": "ht_layers", "summary": "ht_summary", "by_group": "ht_by_group",
+           "prune_after": "ht_prune_after"}
 
 
 def parse_configs(spec: str) -> list[dict]:
@@ -51,7 +41,7 @@ def parse_configs(spec: str) -> list[dict]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         key, values = part.split("=", 1)
         key = ALIASES.get(key.strip(), key.strip())
-        axes.append([(key, parse_value(v.strip())) for v in values.split(",")])
+        axes.append([(key, "" if v.strip().lower() == "none" else v.strip()) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
 
 
@@ -59,15 +49,16 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
              progress: bool = True) -> list[dict]:
     from tqdm import tqdm
 
-    from .methods import Settings, add_ratios, run_method
+    from .methods import check_settings
     from .models import load_model
+    from .runs import figures, run_method
     from .toy.clips import SHORT_MAX
     from .toy.evaluate import eval_samples
     from .toy.questions import normalise
 
     loaded = load_model(model, device="cpu", dtype="float32")
-    base = Settings()
-    settings = [replace(base, **c) for c in configs]
+    base: dict = {}
+    settings = [check_settings(c) for c in configs]
     rows = [dict(config=c, ok=[], same=[], figs={k: [] for k in FIGS}) for c in configs]
     dense_ok, lengths = [], []
     jobs = [(f, s) for f in frames for s in eval_samples(n, f)]
@@ -79,14 +70,16 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
         results = [run_method(loaded, inputs, "htsparse", st, max_new_tokens) for st in settings]
         # dense again after the configs: the first run on a clip tends to be the fastest, so the
         # latency reference is the mean of a dense run before and one after
-        dense_s = (dense.total_s + run_method(loaded, inputs, "dense", base, max_new_tokens).total_s) / 2
+        again = run_method(loaded, inputs, "dense", base, max_new_tokens)
+        dense_s, dense_prefill_s = (dense.total_s + again.total_s) / 2, (dense.prefill_s + again.prefill_s) / 2
         for row, res in zip(rows, results):
-            add_ratios(res, dense, inputs, loaded)
-            res.extra["latency_pct"] = 100 * res.total_s / dense_s
+            figs = figures(res, dense, loaded, inputs)
+            figs["latency_pct"] = 100 * res.total_s / dense_s
+            figs["prefill_wall_pct"] = 100 * res.prefill_s / dense_prefill_s
             row["ok"].append(normalise(res.text) == normalise(s.answer))
             row["same"].append(res.token_ids == dense.token_ids)
             for k in FIGS:
-                v = res.extra.get(k)
+                v = figs.get(k)
                 row["figs"][k].append(100 * v if k == "kv_ratio" else v)
 
     def acc(ok, length=None):
@@ -99,23 +92,25 @@ def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], 
                  long=acc(row["ok"], "long"), same_as_dense=acc(row["same"]))
         r.update({k: round(statistics.median(v), 1) for k, v in row["figs"].items() if v})
         for length in ("short", "long"):  # fixed per-layer costs weigh more on short clips
-            v = [x for x, ln in zip(row["figs"]["latency_pct"], lengths) if ln == length]
-            r[f"latency_pct_{length}"] = round(statistics.median(v), 1) if v else None
+            for k in ("latency_pct", "prefill_wall_pct"):
+                v = [x for x, ln in zip(row["figs"][k], lengths) if ln == length]
+                r[f"{k}_{length}"] = round(statistics.median(v), 1) if v else None
         out.append(r)
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["config", "acc %", "short", "long", "same as dense %", "decode KV %", "KV end %", "latency %",
-            "latency % long clips", "prefill FLOPs %", "decode FLOPs %", "peak mem %"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    from .tables import cell, markdown_table
+
+    head = ["config", "acc %", "short", "long", "same as dense %", "decode KV %", "prefill KV %", "latency %",
+            "latency % long clips", "prefill wall % long clips", "prefill FLOPs %", "decode FLOPs %", "peak mem %"]
+    keys = ("accuracy", "short", "long", "same_as_dense", "decode_kv_pct", "prefill_kv_pct", "latency_pct",
+            "latency_pct_long", "prefill_wall_pct_long", "prefill_flops_pct", "decode_flops_pct", "peak_memory_pct")
+    body = []
     for r in rows:
         cfg = r["config"] if isinstance(r["config"], str) else " ".join(f"{k}={v}" for k, v in r["config"].items())
-        vals = [r.get(k) for k in ("accuracy", "short", "long", "same_as_dense", "decode_kv_pct", "kv_ratio",
-                                   "latency_pct", "latency_pct_long", "prefill_flops_pct", "decode_flops_pct",
-                                   "peak_memory_pct")]
-        lines.append("| " + " | ".join([cfg or "defaults"] + ["" if v is None else f"{v:g}" for v in vals]) + " |")
-    return "\n".join(lines)
+        body.append([cfg or "defaults"] + ["" if r.get(k) is None else cell(r[k], "g") for k in keys])
+    return markdown_table(head, body)
 
 
 def main(argv=None) -> int:

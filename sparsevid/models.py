@@ -98,6 +98,7 @@ def load_model(name_or_dir: str | None = None, device: str | None = None, dtype=
         raise ModelError(f"Model '{name_or_dir}' could not be loaded: {type(e).__name__}: {e}".split("\n")[0]) from None
     model.to(dev).eval()
     model.set_attn_implementation({"text_config": attention.NAME})
+    attention.install(model)  # the pruning pre-hooks (inactive unless a run prunes its prefill)
     adapter = adapter_for(path, config, tokenizer)
     revision = getattr(config, "_commit_hash", None) or "local"
     return Loaded(model, tokenizer, adapter, name_or_dir or EMBEDDED_NAME, revision, dev, dt)

@@ -1,6 +1,6 @@
 """Plotly figures of what each method did, from plain data (numpy arrays, lists, dicts).
 
-Every function returns a `plotly.graph_objects.Figure` and takes no model, tensor or Result, so
+Every function returns a `plotly.graph_objects.Figure` and takes no model, tensor or trace, so
 the app, the CLI and evaluation reports can all draw the same panels:
 
 - `token_mosaic`: the sampled frames as a grid, with the visual tokens one head keeps overlaid
@@ -8,7 +8,10 @@ the app, the CLI and evaluation reports can all draw the same panels:
 - `head_partition`: layer x query-head grid coloured dense / full / sparse / dropped (HT-Sparse);
 - `visual_head_scores`: layer x KV-head visual-head scores and each head's KV budget (SparseMM);
 - `draft_rounds`: the answer as speculative decoding built it, round by round;
-- `speedups`: speed and memory of each method relative to dense, beside the I/O model's prediction;
+- `speedups`: speed (higher is better) and memory (lower is better) of each method relative to
+  dense, beside the I/O model's prediction;
+- `step_costs`: measured per-step times and each speculative method's bound from them;
+- `whatif`: the same bound at a reference setting (`sparsevid.whatif`), against context length;
 - `placeholder`: an empty panel that says what to run to fill it.
 """
 
@@ -21,6 +24,8 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from .metrics import top_share
 
 KEPT_COLOUR = "rgba(255, 215, 0, 0.40)"
 DROPPED_COLOUR = "rgba(0, 0, 0, 0.55)"  # visual tokens the head does not keep are dimmed
@@ -167,14 +172,15 @@ def on_object_share(kept: np.ndarray, token_grid: np.ndarray, grid: tuple[int, i
 
 
 def head_partition(roles: np.ndarray, saliency: np.ndarray | None = None, kv_lengths: np.ndarray | None = None,
-                   title: str = "Head partition") -> go.Figure:
+                   title: str = "Head partition", role_names: tuple[str, ...] = ROLE_NAMES) -> go.Figure:
     """roles int [L, H]: -1 not routed (dense), 0 full, 1 sparse, 2 dropped; saliency π [L, H]
-    (NaN where not routed) on hover; kv_lengths [L, Hkv] (prompt KV entries each KV head keeps)."""
+    (NaN where not routed) on hover; kv_lengths [L, Hkv] (prompt KV entries each KV head keeps).
+    role_names: the name of each role code + 1 (at most len(ROLE_COLOURS))."""
     roles = np.asarray(roles, int)
     L, H = roles.shape
     code = roles + 1  # 0 dense, 1 full, 2 sparse, 3 dropped
     sal = np.full((L, H), np.nan) if saliency is None else np.asarray(saliency, float)
-    names = np.array(ROLE_NAMES, dtype=object)[code]
+    names = np.array(role_names, dtype=object)[code]
     sal_txt = np.where(np.isnan(sal), "—", np.char.mod("%.3f", np.nan_to_num(sal)))
     if kv_lengths is not None:
         kv = np.asarray(kv_lengths)
@@ -183,27 +189,27 @@ def head_partition(roles: np.ndarray, saliency: np.ndarray | None = None, kv_len
     else:
         kv_txt = np.full((L, H), "—", dtype=object)
     custom = np.stack([names, sal_txt, kv_txt], -1)
-    n = len(ROLE_NAMES)
+    n = len(role_names)
     scale = []
-    for i, c in enumerate(ROLE_COLOURS):
+    for i, c in enumerate(ROLE_COLOURS[:n]):
         scale += [[i / n, c], [(i + 1) / n, c]]
     fig = go.Figure(go.Heatmap(
         z=code, x=list(range(H)), y=list(range(L)), zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=2, ygap=2,
         customdata=custom,
-        colorbar=dict(tickvals=list(range(n)), ticktext=list(ROLE_NAMES), title="role"),
+        colorbar=dict(tickvals=list(range(n)), ticktext=list(role_names), title="role"),
         hovertemplate="layer %{y}, head %{x}<br>%{customdata[0]}<br>saliency π = %{customdata[1]}"
                       "<br>prompt KV kept by its KV head: %{customdata[2]}<extra></extra>"))
-    fig.update_layout(title=title, height=max(260, 90 + 28 * L), margin=_MARGIN,
-                      xaxis=dict(title="query head", dtick=1), yaxis=dict(title="layer", autorange="reversed", dtick=1))
+    if kv_lengths is not None and group > 1:  # GQA groups: the query heads sharing one KV head
+        for g in range(1, H // group):
+            fig.add_vline(x=g * group - 0.5, line=dict(color="#222", width=2))
+    for layer in range(L):
+        if (roles[layer] < 0).all():
+            fig.add_annotation(x=(H - 1) / 2, y=layer, text="not routed (dense)", showarrow=False,
+                               font=dict(size=11, color="#555"))
+    fig.update_layout(title=title, height=max(280, 110 + 28 * L), margin=dict(_MARGIN, t=80),
+                      xaxis=dict(title="query head (thick lines: GQA groups sharing one KV head)", dtick=1),
+                      yaxis=dict(title="layer", autorange="reversed", dtick=1))
     return fig
-
-
-def top_share(scores: np.ndarray, frac: float = 0.05) -> float:
-    """Share of the total score mass held by the top `frac` of heads (at least one head)."""
-    s = np.sort(np.asarray(scores, float).ravel())[::-1]
-    k = max(1, math.ceil(frac * s.size))
-    total = s.sum()
-    return float(s[:k].sum() / total) if total > 0 else float("nan")
 
 
 def visual_head_scores(scores: np.ndarray | None, budgets: np.ndarray | None = None,
@@ -225,8 +231,9 @@ def visual_head_scores(scores: np.ndarray | None, budgets: np.ndarray | None = N
         axis = score_axis if name == "score" else "KV head"
         fig.add_trace(go.Heatmap(
             z=a, x=list(range(G)), y=list(range(L)), colorscale="Viridis" if name == "score" else "Blues",
-            xgap=2, ygap=2, texttemplate=fmt if L * G <= 200 else None, name=name,
-            colorbar=dict(x=0.43 if (len(panels) > 1 and i == 0) else 1.01, len=0.9, title=name, thickness=12),
+            xgap=2, ygap=2, name=name,
+            colorbar=dict(x=0.43 if (len(panels) > 1 and i == 0) else 1.01, len=0.9, title=name, thickness=12,
+                          tickformat=".2f" if name == "score" else "d"),
             hovertemplate=f"layer %{{y}}, {axis} %{{x}}<br>{name} {fmt}<extra></extra>"), row=1, col=i + 1)
         fig.update_xaxes(title_text=axis, dtick=1, row=1, col=i + 1)
         fig.update_yaxes(title_text="layer" if i == 0 else None, autorange="reversed", dtick=1, row=1, col=i + 1)
@@ -256,7 +263,7 @@ def draft_rounds(first: str, rounds: list[dict], title: str = "Draft tokens") ->
         c["x"].append(x)
         c["y"].append(y)
         c["text"].append(tok)
-        c["hover"].append(f"{info}<br>token {tok!r} at position {x}")
+        c["hover"].append(f"{info}<br>token <b>{_html(tok)}</b> at output position {x}")
 
     add("prefill", 0, 0, first, "first token (dense, at prefill)")
     pos = 1
@@ -272,8 +279,8 @@ def draft_rounds(first: str, rounds: list[dict], title: str = "Draft tokens") ->
         pos += a + 1
     n = len(rounds)
     n_x = max([max(c["x"], default=0) for c in cells.values()]) + 1
-    row_px = max(20.0, min(56.0, 1000 / (n + 1.4)))  # pixels per round: the figure stays under ~1.2k px
-    size = int(max(6, min(26, 900 / max(n_x, 1), 0.42 * row_px)))  # rejected sit 0.42 rows lower
+    row_px = max(24.0, min(70.0, 1000 / (n + 1.4)))  # pixels per round: the figure stays under ~1.2k px
+    size = int(max(8, min(40, 1100 / max(n_x, 1), 0.42 * row_px)))  # rejected sit 0.42 rows lower
     fig = go.Figure()
     for kind, c in cells.items():
         if not c["x"] and kind != "prefill":
@@ -281,12 +288,13 @@ def draft_rounds(first: str, rounds: list[dict], title: str = "Draft tokens") ->
         s = int(size * 0.8) if kind == "rejected" else size
         fig.add_trace(go.Scatter(
             x=c["x"], y=c["y"], mode="markers+text" if size >= 18 else "markers", name=kind,
-            text=[t[:5] for t in c["text"]], textposition="middle center",
-            textfont=dict(color="white", size=max(7, s // 3)), hovertext=c["hover"], hoverinfo="text",
+            text=[t if len(t) <= 6 else t[:5] + "…" for t in c["text"]], textposition="middle center",
+            textfont=dict(color="white", size=max(9, int(s / 3.2))), hovertext=c["hover"], hoverinfo="text",
             marker=dict(symbol="square", size=s, color=STATUS_COLOURS[kind])))
     fig.update_layout(title=title, height=int(max(260, 150 + row_px * (n + 1.4))), margin=_MARGIN,
                       plot_bgcolor="white", legend=dict(orientation="h", yanchor="bottom", y=1.0, x=1, xanchor="right"),
-                      xaxis=dict(title="output position", showgrid=False, zeroline=False),
+                      xaxis=dict(title="output position (token index in the answer)", showgrid=False, zeroline=False,
+                                 tickmode="linear", tick0=0, dtick=max(1, math.ceil(n_x / 30)), tickformat="d"),
                       yaxis=dict(title="round", range=[n + 0.8, -0.6], tickvals=list(range(n + 1)),
                                  ticktext=["prefill"] + [str(r) for r in range(1, n + 1)], zeroline=False,
                                  showgrid=False))
@@ -294,28 +302,102 @@ def draft_rounds(first: str, rounds: list[dict], title: str = "Draft tokens") ->
 
 
 SPEED_BARS = (("speedup", "decode speedup (tokens/s ÷ dense)", "#2a9d8f"),
-              ("e2e_speedup", "end-to-end (dense time ÷ time)", "#8ab17d"),
-              ("kv_ratio", "KV memory ÷ dense", "#e76f51"),
+              ("e2e_speedup", "end to end (dense time ÷ time)", "#8ab17d"),
               ("predicted_speedup", "I/O model prediction", "#9c89b8"))
+MEMORY_BARS = (("kv_ratio", "KV memory ÷ dense", "#e76f51"),)
+
+
+def _html(text: str) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _ratio_bars(fig: go.Figure, rows: list[dict], bars: tuple, col: int) -> float:
+    """Grouped bars of `bars` (key, name, colour) per row into subplot `col`; returns the largest value."""
+    labels = [r["label"] for r in rows]
+    top = 1.0
+    for key, name, colour in bars:
+        ys = [r.get(key) for r in rows]
+        if all(y is None for y in ys):
+            continue
+        top = max([top] + [y for y in ys if y is not None])
+        fig.add_trace(go.Bar(
+            x=labels, y=[y if y is not None else 0 for y in ys], name=name, marker_color=colour,
+            text=[f"{y:.2f}×" if y is not None else "n/a" for y in ys], textposition="outside", cliponaxis=False,
+            hovertext=[f"{r['label']}<br>{name}: " + (f"{y:.3f}" if y is not None else "n/a") + (
+                f"<br>{r['hover']}" if r.get("hover") else "") for r, y in zip(rows, ys)],
+            hoverinfo="text"), row=1, col=col)
+    return top
 
 
 def speedups(rows: list[dict], title: str = "Speed and memory relative to dense") -> go.Figure:
     """rows: one dict per method (dense excluded) with `label` and any of speedup, e2e_speedup,
-    kv_ratio, predicted_speedup (ratios to dense; None to skip), plus `hover` (extra text)."""
+    predicted_speedup (speed, higher is better), kv_ratio (memory, lower is better) as ratios to
+    dense (None: n/a), plus `hover` (extra text). Two subplots: speed and memory."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.64, 0.36], horizontal_spacing=0.08,
+                        subplot_titles=["Speed ÷ dense: higher is better", "KV memory ÷ dense: lower is better"])
+    top_speed = _ratio_bars(fig, rows, SPEED_BARS, 1)
+    top_mem = _ratio_bars(fig, rows, MEMORY_BARS, 2)
+    for col, top in ((1, top_speed), (2, top_mem)):
+        fig.add_hline(y=1.0, line=dict(color="#444", dash="dash"), row=1, col=col)
+        fig.update_yaxes(range=[0, top * 1.25], row=1, col=col, title_text="ratio to dense (dense = 1)" if col == 1
+                         else None)
+        fig.update_xaxes(tickangle=-20, automargin=True, row=1, col=col)
+    fig.update_layout(title=title, barmode="group", height=460, margin=dict(l=60, r=20, t=110, b=90),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.08, x=1, xanchor="right"))
+    return fig
+
+
+def step_costs(steps: list[dict], bounds: list[dict], title: str = "Where the time goes") -> go.Figure:
+    """Measured per-step times and each speculative method's bound from them.
+
+    steps: one dict per bar: `label`, `ms` (milliseconds), `group` ("dense" | a method's label),
+    `hover`. bounds: one dict per speculative method: `label`, `measured` (decode speedup or None),
+    `bound` (σ at the measured acceptance and step costs), `bound_full` (σ at acceptance 1),
+    `predicted` (the I/O model's σ), `hover`."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.1,
+                        subplot_titles=["Measured time per step (ms)", "Decode speedup: measured vs bound"])
+    colours = {"dense": "#6c757d", "draft": "#f4a261", "verify": "#264653", "prefill": "#adb5bd"}
+    for kind in ("prefill", "dense", "draft", "verify"):
+        rows = [s for s in steps if s["kind"] == kind]
+        if rows:
+            fig.add_trace(go.Bar(x=[s["label"] for s in rows], y=[s["ms"] for s in rows], name=kind + (
+                " pass" if kind == "verify" else " step" if kind in ("dense", "draft") else ""),
+                marker_color=colours[kind], text=[f"{s['ms']:.1f}" for s in rows], textposition="outside",
+                cliponaxis=False, hovertext=[s.get("hover", "") for s in rows], hoverinfo="text"), row=1, col=1)
+    top = max([s["ms"] for s in steps] or [1.0])
+    fig.update_yaxes(range=[0, top * 1.25], title_text="ms", row=1, col=1)
+    bars = (("measured", "measured decode speedup", "#2a9d8f"), ("bound", "bound at measured acceptance", "#e9c46a"),
+            ("bound_full", "bound at acceptance 1", "#f4a261"), ("predicted", "I/O model prediction", "#9c89b8"))
+    top = _ratio_bars(fig, bounds, bars, 2) if bounds else 1.0
+    fig.add_hline(y=1.0, line=dict(color="#444", dash="dash"), row=1, col=2)
+    fig.update_yaxes(range=[0, top * 1.25], title_text="× dense", row=1, col=2)
+    fig.update_xaxes(tickangle=-20, automargin=True)
+    fig.update_layout(title=title, barmode="group", height=460, margin=dict(l=60, r=20, t=110, b=90),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.08, x=1, xanchor="right"))
+    return fig
+
+
+def whatif(rows: list[dict], title: str = "What if: the same formula at a reference setting") -> go.Figure:
+    """Predicted speedup against visual tokens, one line per batch, at the chosen acceptance (solid)
+    and at acceptance 1 (dotted). rows: `whatif.sweep` rows (batch, visual_tokens, speedup,
+    speedup_full_acceptance, dense_step_ms, draft_cost, tokens_per_round)."""
     fig = go.Figure()
-    labels = [r["label"] for r in rows]
-    for key, name, colour in SPEED_BARS:
-        ys = [r.get(key) for r in rows]
-        if all(y is None for y in ys):
-            continue
-        fig.add_trace(go.Bar(
-            x=labels, y=[y if y is not None else 0 for y in ys], name=name, marker_color=colour,
-            text=[f"{y:.2f}×" if y is not None else "n/a" for y in ys], textposition="outside",
-            hovertext=[f"{r['label']}<br>{name}: " + (f"{y:.3f}" if y is not None else "n/a") + (
-                f"<br>{r['hover']}" if r.get("hover") else "") for r, y in zip(rows, ys)],
-            hoverinfo="text"))
+    colours = ["#2a9d8f", "#e76f51", "#264653", "#f4a261"]
+    for i, b in enumerate(sorted({r["batch"] for r in rows})):
+        rs = [r for r in rows if r["batch"] == b]
+        x = [r["visual_tokens"] for r in rs]
+        hover = [f"batch {b}, {r['visual_tokens'] // 1024}k visual tokens<br>dense step {r['dense_step_ms']:.2f} ms"
+                 f"<br>draft step c = {r['draft_cost']:.2f} dense steps<br>Ω = {r['tokens_per_round']:.2f} tokens/round"
+                 f"<br>σ = {r['speedup']:.2f}× (at acceptance 1: {r['speedup_full_acceptance']:.2f}×)" for r in rs]
+        c = colours[i % len(colours)]
+        fig.add_trace(go.Scatter(x=x, y=[r["speedup"] for r in rs], mode="lines+markers", name=f"batch {b}",
+                                 line=dict(color=c, width=3), hovertext=hover, hoverinfo="text"))
+        fig.add_trace(go.Scatter(x=x, y=[r["speedup_full_acceptance"] for r in rs], mode="lines",
+                                 name=f"batch {b}, acceptance 1", line=dict(color=c, dash="dot"), hoverinfo="skip"))
     fig.add_hline(y=1.0, line=dict(color="#444", dash="dash"), annotation_text="dense = 1",
-                  annotation_position="top left")
-    fig.update_layout(title=title, barmode="group", height=380, margin=_MARGIN, yaxis=dict(title="ratio to dense"),
+                  annotation_position="bottom right")
+    fig.update_layout(title=title, height=420, margin=dict(l=60, r=20, t=90, b=60),
+                      xaxis=dict(title="visual tokens in the context", tickformat="~s"),
+                      yaxis=dict(title="predicted decode speedup (× dense)", rangemode="tozero"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=1, xanchor="right"))
     return fig

@@ -78,3 +78,52 @@ def video_inputs(tiny_loaded, frames):
         return cache[arch]
 
     return get
+
+
+
+EMBEDDED_QUESTION_SEED = 12345  # a 16-frame colour question of the toy task (outside the training seeds)
+
+
+def _load_embedded():
+    from sparsevid.models import EMBEDDED, load_model
+
+    if not os.path.exists(os.path.join(EMBEDDED, "config.json")):
+        pytest.skip("embedded model not built (python -m sparsevid.toy train)")
+    return load_model("embedded", device="cpu", dtype="float32")
+
+
+def _embedded_inputs(loaded):
+    from sparsevid.toy.questions import make_sample
+
+    s = make_sample(EMBEDDED_QUESTION_SEED, 16, "colour")
+    return loaded.adapter.build_inputs(s.clip.frames, s.question)
+
+
+@pytest.fixture(scope="session")
+def model_inputs(tiny_loaded, video_inputs):
+    """model_inputs(name) -> (Loaded, VideoInputs): a tiny architecture of `ARCHS` with `frames`, or
+    "embedded": the embedded toy Qwen2-VL (CPU, float32; skips where it has not been built) with a
+    16-frame toy clip and its colour question. Loaded once per session."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            if name == "embedded":
+                loaded = _load_embedded()
+                cache[name] = (loaded, _embedded_inputs(loaded))
+            else:
+                cache[name] = (tiny_loaded(name), video_inputs(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded(model_inputs):
+    """The embedded toy model (`Loaded`), once per session; skips where it has not been built."""
+    return model_inputs("embedded")[0]
+
+
+@pytest.fixture(scope="session")
+def embedded_inputs(model_inputs):
+    return model_inputs("embedded")[1]

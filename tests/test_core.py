@@ -14,7 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from sparsevid import attention, engine
 from sparsevid.adapters import LlavaOnevisionAdapter, llava_onevision_preprocess
-from sparsevid.cache import LayerSelection, keep_all
+from sparsevid.cache import LayerSelection
 from sparsevid.engine import Sampling
 
 QUESTION = "what colour is the moving object ?"
@@ -58,34 +58,45 @@ def run_steps(loaded, inputs, n_steps, policy=None, store_dense=None):
 
 
 class KeepAll:
+    """Keeps every prompt entry. explicit: returns the full selection (the layer gets a compact copy
+    of everything); else None (the layer reads the dense cache, no copy)."""
+
+    stats = ()
     window = 0
 
-    def select(self, layer, stats, run):
-        return keep_all(stats.relevance.shape[1], stats.relevance.shape[0])
+    def __init__(self, explicit=True):
+        self.explicit = explicit
+
+    def select(self, layer, stats, prompt):
+        if not self.explicit:
+            return None
+        return LayerSelection([torch.arange(prompt.m)] * prompt.num_kv_heads)
 
 
 class RandomSelection:
     """Random prompt positions per KV head (`sizes[g]` of them), optional query mask / head scale / routing."""
 
+    stats = ()
+    window = 0
+
     def __init__(self, sizes, num_heads, seed=0, query_mask=False, head_scale=None, route_prefill=False):
         self.sizes, self.num_heads, self.seed = sizes, num_heads, seed
         self.query_mask, self.head_scale, self.route_prefill = query_mask, head_scale, route_prefill
-        self.window = 0
 
-    def select(self, layer, stats, run):
-        hkv, m = stats.relevance.shape
+    def select(self, layer, stats, prompt):
+        hkv, m = prompt.num_kv_heads, prompt.m
         g = torch.Generator().manual_seed(1000 * self.seed + layer)
         keep = [torch.randperm(m, generator=g)[:self.sizes[h]].sort().values for h in range(hkv)]
         qmask = torch.rand(self.num_heads, m, generator=g) < 0.6 if self.query_mask else None
         scale = None if self.head_scale is None else torch.tensor(self.head_scale, dtype=torch.float32)
-        return LayerSelection(keep, qmask, scale, self.route_prefill)
+        return LayerSelection(keep, qmask, scale)
 
 
 # Reference for a sparse decode: ONE forward over prompt + generated tokens, no cache, eager
 # float64 attention with explicit masks. Prompt rows attend densely (causal); generated rows (and,
-# with route_prefill, the query rows of the prompt) attend to their KV head's kept prompt
-# positions (intersected with the query head's mask) plus every generated token up to themselves,
-# and are multiplied by the head scale.
+# with route_prefill, every row of the prompt) attend to their KV head's kept prompt positions
+# (intersected with the query head's mask) plus every generated token up to themselves, and are
+# multiplied by the head scale.
 REF = {}
 
 
@@ -98,13 +109,13 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     scores = torch.matmul(query[0].double(), k.transpose(1, 2)) * scale  # [H, n, n]
     allowed = torch.ones(H, n, n, dtype=torch.bool).tril()
     sel: LayerSelection = REF["selections"][module.layer_idx]
-    m, qs = REF["m"], REF["query_start"]
+    m = REF["m"]
     prompt_ok = torch.zeros(H, m, dtype=torch.bool)
     for h in range(H):
         prompt_ok[h, sel.keep[h // G]] = True
     if sel.query_mask is not None:
         prompt_ok &= sel.query_mask
-    first = qs if sel.route_prefill else m
+    first = 0 if REF["route_prefill"] else m
     allowed[:, first:, :m] &= prompt_ok[:, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.nan_to_num(scores.softmax(-1))  # a row allowed nothing contributes nothing
@@ -120,7 +131,8 @@ AttentionMaskInterface.register("sparsevid_test_reference", lambda *a, **k: None
 
 def reference_logits(loaded, inputs, tokens, run):
     """Logits the reference gives at the positions where the sparse run predicted tokens[1:] + one more."""
-    REF.update(selections=run.selections, m=inputs.m, query_start=inputs.query_start)
+    REF.update(selections=run.selections, m=inputs.m, query_start=inputs.query_start,
+               route_prefill=bool(getattr(run.policy, "route_prefill", False)))
     with text_attention(loaded.model, "sparsevid_test_reference"), torch.no_grad():
         out = loaded.model(**extended_kwargs(inputs, tokens[:-1]), use_cache=False)
     return out.logits[0, inputs.m - 1:]
@@ -172,7 +184,7 @@ def test_stops_at_max_new_tokens_and_streams(tiny_loaded, video_inputs):
     seen = []
     res = engine.decode(loaded, inputs, max_new_tokens=5, on_token=seen.append)
     assert seen == res.token_ids and 1 <= len(res.token_ids) <= 5
-    assert res.prefill_s > 0 and res.decode_s >= 0
+    assert res.prefill_s > 0 and res.kind == "dense" and res.method == "dense"
 
 
 def test_sampling_is_reproducible(arch, tiny_loaded, video_inputs):
@@ -226,15 +238,22 @@ def test_cache_is_preallocated(arch, tiny_loaded, video_inputs):
 # the sparse-attention path
 
 
-def test_keep_all_policy_is_bit_exact(arch, tiny_loaded, video_inputs):
+@pytest.mark.parametrize("explicit", [True, False], ids=["compact_copy", "dense_buffer"])
+def test_keep_all_policy_is_bit_exact(arch, explicit, tiny_loaded, video_inputs):
+    """A direct policy keeping everything equals dense bit for bit, whether it returns the full
+    selection (a compact copy of every entry) or None (the layer's own buffer, no copy)."""
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
     n = 8
-    dense_tokens, dense_logits, _ = run_steps(loaded, inputs, n)
-    tokens, logits, run = run_steps(loaded, inputs, n, KeepAll())
-    assert run.cache.has_sparse and run.cache.mode == "sparse"
+    dense_tokens, dense_logits, dense_run = run_steps(loaded, inputs, n)
+    tokens, logits, run = run_steps(loaded, inputs, n, KeepAll(explicit))
+    assert run.cache.mode == "sparse"
+    has_copy = [l.sparse is not None for l in run.cache.layers]
+    assert has_copy == [explicit] * loaded.num_layers
     assert tokens == dense_tokens
     assert torch.equal(logits, dense_logits)
-    res = engine.decode(loaded, inputs, policy=KeepAll(), max_new_tokens=n + 1)
+    # the same entries held either way: dense's bytes
+    assert run.cache.nbytes() == dense_run.cache.nbytes()
+    res = engine.decode(loaded, inputs, policy=KeepAll(explicit), max_new_tokens=n + 1)
     assert res.token_ids == engine.decode(loaded, inputs, max_new_tokens=n + 1).token_ids
 
 
@@ -293,7 +312,8 @@ def test_sparse_kv_bytes_proportional_to_kept(tiny_loaded, video_inputs):
     _, _, run = run_steps(loaded, inputs, n, RandomSelection(sizes, loaded.num_heads))
     per_entry = 2 * d * 4  # K and V, float32
     assert run.cache.sparse_nbytes() == loaded.num_layers * (sum(sizes) + hkv * n) * per_entry
-    assert run.cache.dense_nbytes() == 0
+    assert all(not l.is_initialized for l in run.cache.layers)  # no dense buffer
+    assert run.cache.nbytes() == run.cache.sparse_nbytes()
 
 
 def test_relevance_matches_eager_attention(arch, tiny_loaded, video_inputs):
@@ -301,9 +321,10 @@ def test_relevance_matches_eager_attention(arch, tiny_loaded, video_inputs):
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
 
     class Stats:
+        stats = ("relevance", "window", "query_norms")
         window = 4
 
-        def select(self, layer, stats, run):
+        def select(self, layer, stats, prompt):
             return None
 
     run = engine.new_run(loaded, inputs, 1, Stats(), keep_stats=True)

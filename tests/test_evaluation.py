@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from sparsevid import cli, evaluation
+from sparsevid.toy.evalset import TOY_EVAL_SEED
 from sparsevid.toy.__main__ import main as toy_main
 from sparsevid.video import load_video
 
@@ -62,7 +63,7 @@ def test_make_eval_manifest(evalset):
     items = evaluation.read_manifest(str(evalset))
     assert [it["id"] for it in items] == ["toy-0000", "toy-0001", "toy-0002", "broken"]
     for it in items[:3]:
-        assert it["seed"] >= evaluation.TOY_EVAL_SEED > 1_000_000_000  # toy training seeds are < 1e9
+        assert it["seed"] >= TOY_EVAL_SEED > 1_000_000_000  # toy training seeds are < 1e9
         assert it["answer"] and it["question"] and len(it["boxes"]) == it["frames"]
         assert all(b is None or all(0 <= v <= 1 for v in b) for b in it["boxes"])
         assert load_video(it["path"], it["frames"]).frames.shape[0] == it["frames"]
@@ -78,7 +79,10 @@ def test_single_process(single, capsys):
         assert "error" not in r and r["text"] is not None and r["token_ids"]
         assert isinstance(r["correct"], bool) and r["reference"]
         assert r["identical_to_dense"] is True  # std and layerskip are lossless under greedy decoding
-        assert r["speedup"] > 0 and r["kv_ratio"] > 0 and r["decode_s"] > 0 and r["frames"] in (8, 12)
+        assert r["kv_ratio"] > 0 and r["decode_s"] > 0 and r["frames"] in (8, 12)
+        # a decode ratio only where enough steps were measured (metrics.MIN_DECODE_STEPS)
+        if r["method"] != "dense":
+            assert (r["speedup"] > 0) if r["decode_tokens"] >= 4 else r["speedup"] is None
     assert rows[1]["acceptance"] is not None and rows[0]["acceptance"] is None
     for r in rows[9:]:
         assert "could not be read" in r["error"]
@@ -89,7 +93,8 @@ def test_single_process(single, capsys):
     std = summary["methods"]["std"]
     assert std["items"] == 4 and std["errors"] == 1 and std["with_reference"] == 3
     assert std["agreement_with_dense"] == 1.0
-    assert std["speedup"]["n"] == 3 and std["speedup"]["q1"] <= std["speedup"]["median"] <= std["speedup"]["q3"]
+    measured = sum(r["speedup"] is not None for r in rows[:9] if r["method"] == "std")
+    assert std["speedup"]["n"] == measured >= 1 and std["speedup"]["q1"] <= std["speedup"]["median"] <= std["speedup"]["q3"]
     assert summary["errors"] == [{"id": "broken", "error": rows[-1]["error"]}]
 
     md = (single / "report.md").read_text()

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from sparsevid import sparsemm as S
-from sparsevid.methods import METHODS, Settings, compare
+from sparsevid import calibration as C
+from sparsevid.cache import Prompt
+from sparsevid.methods import sparsemm as S
+from sparsevid.runs import compare
+from sparsevid.toy.calibration import ToyClips
 
 TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
@@ -17,7 +20,9 @@ TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 def _own_cache(tmp_path, monkeypatch):
     """Calibrations land in a per-test cache, never in the user's ~/.cache."""
     monkeypatch.setenv("SPARSEVID_CACHE", str(tmp_path / "cache"))
-    S._LOADED_SCORES.clear()
+    C._LOADED_SCORES.clear()
+    yield
+    C._LOADED_SCORES.clear()
 
 
 # ---- budgets (SPEC §3.3 step 2) -------------------------------------------------------------------
@@ -82,8 +87,6 @@ def test_snapkv_keep_window_and_top_positions():
 
 
 def test_observation_rows_stay_out_of_the_video():
-    from types import SimpleNamespace
-
     from sparsevid.attention import LayerStats
 
     m, w = 40, 8
@@ -91,14 +94,18 @@ def test_observation_rows_stay_out_of_the_video():
     window[:, 20:25] = torch.tensor([1.0, 2, 3, 2, 1])  # last-w rows, some of them visual tokens, like 22
     relevance[:, 5:10] = torch.tensor([1.0, 2, 3, 2, 1])  # the query tokens (36..39) like 7
     stats = LayerStats(relevance, window, torch.ones(4), torch.ones(4))
-    run = SimpleNamespace(query_start=36)  # 4 query tokens < w
-    hs = S.HeadScores.uniform(1, 4, 2)
-    query = S.SparseMM(hs, budget=w + 1, window=w).select(0, stats, run)
+
+    def prompt(query_start):
+        return Prompt(m, torch.arange(10, query_start), query_start, num_layers=1, num_heads=4, num_kv_heads=2)
+
+    scores = C.HeadScores.uniform(1, 4, 2).scores
+    p = prompt(36)  # 4 query tokens < w
+    query = S.SparseMM(budget=w + 1, window=w, scores=scores).select(0, stats, p)
     assert [k.tolist() for k in query.keep] == [[7] + list(range(32, 40))] * 2
-    plain = S.SparseMM(hs, budget=w + 1, window=w, observe="window").select(0, stats, run)
+    plain = S.SparseMM(budget=w + 1, window=w, observe="window", scores=scores).select(0, stats, p)
     assert [k.tolist() for k in plain.keep] == [[22] + list(range(32, 40))] * 2
-    run.query_start = 30  # 10 query tokens >= w: SnapKV's last-w rows either way
-    assert S.SparseMM(hs, budget=w + 1, window=w).select(0, stats, run).keep[0].tolist()[0] == 22
+    # 10 query tokens >= w: SnapKV's last-w rows either way
+    assert S.SparseMM(budget=w + 1, window=w, scores=scores).select(0, stats, prompt(30)).keep[0].tolist()[0] == 22
 
 
 # ---- calibration ----------------------------------------------------------------------------------
@@ -110,23 +117,23 @@ def test_item_regions_and_naming(tiny_loaded):
     inputs = loaded.adapter.build_inputs(frames, "hello")
     box = np.array([[30, 2, 50, 20]] * 4)  # covers cell (row 0, col 1) only
     late = np.array([[-1] * 4, [-1] * 4, [60, 60, 110, 110], [-1] * 4])  # frame 2 only: 2nd temporal token
-    regions = S.item_regions(inputs, [S.Item(("apple",), box), S.Item(("apricot",), late)])
+    regions = C.item_regions(inputs, [C.Item(("apple",), box), C.Item(("apricot",), late)])
     vp = inputs.visual_positions
     assert regions[0].nonzero().squeeze(1).tolist() == [int(vp[1]), int(vp[16 + 1])]
     assert regions[1].nonzero().squeeze(1).tolist() == [int(vp[16 + 10]), int(vp[16 + 11]), int(vp[16 + 14]),
                                                          int(vp[16 + 15])]
-    items = [S.Item(("apple",), box), S.Item(("apricot",), late)]
-    assert S.named_item(" Apple", items) == 0
-    assert S.named_item("ric", items) == 1  # a sub-word piece inside one word
-    assert S.named_item("ap", items) is None  # inside both: names no single item
-    assert S.named_item(",", items) is None
+    items = [C.Item(("apple",), box), C.Item(("apricot",), late)]
+    assert C.named_item(" Apple", items) == 0
+    assert C.named_item("ric", items) == 1  # a sub-word piece inside one word
+    assert C.named_item("ap", items) is None  # inside both: names no single item
+    assert C.named_item(",", items) is None
 
 
 def test_hits_are_one_over_region_size(tiny_loaded, monkeypatch):
     loaded = tiny_loaded("qwen2_vl")
     frames = np.zeros((2, 112, 112, 3), np.uint8)
-    item = S.Item(("red",), np.array([[0, 0, 56, 28]] * 2))  # two cells: (0,0), (0,1)
-    sample = S.CalibSample(frames, "hello", [item])
+    item = C.Item(("red",), np.array([[0, 0, 56, 28]] * 2))  # two cells: (0,0), (0,1)
+    sample = C.CalibSample(frames, "hello", [item])
     inputs = loaded.adapter.build_inputs(frames, "hello")
     L, H = loaded.num_layers, loaded.num_heads
     vp = inputs.visual_positions
@@ -135,8 +142,8 @@ def test_hits_are_one_over_region_size(tiny_loaded, monkeypatch):
     top1[0, 2, 0] = vp[5]  # ... layer 2 head 0 looks outside
     top1[1, 1, 2] = vp[0]  # token 1 names nothing: no hit
     red, blue = (loaded.tokenizer.convert_tokens_to_ids(w) for w in ("red", "blue"))
-    monkeypatch.setattr(S, "generate_top1", lambda *a: ([red, blue, red], top1))
-    hits, counts = S.sample_hits(loaded, sample, 8)
+    monkeypatch.setattr(C, "generate_top1", lambda *a: ([red, blue, red], top1))
+    hits, counts = C.sample_hits(loaded, sample, 8)
     expected = torch.zeros(L, H, dtype=torch.float64)
     expected[1, 2] = 0.5
     assert torch.equal(hits, expected) and counts["named"] == 2
@@ -147,7 +154,7 @@ def test_generate_top1_matches_dense(tiny_loaded, video_inputs, arch):
     from sparsevid.engine import decode
 
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
-    tokens, top1 = S.generate_top1(loaded, inputs, 10)
+    tokens, top1 = C.generate_top1(loaded, inputs, 10)
     assert tokens == decode(loaded, inputs, max_new_tokens=10).token_ids
     assert top1.shape == (len(tokens), loaded.num_layers, loaded.num_heads)
     assert int(top1.max()) < inputs.m + len(tokens)
@@ -160,10 +167,10 @@ class WholeFrame:
     name = "whole-frame"
 
     def samples(self, loaded, n):
-        for s in S.TextImages(words=4, frames=(2,)).samples(loaded, n):
+        for s in C.TextImages(words=4, frames=(2,)).samples(loaded, n):
             T, Hp, Wp = s.frames.shape[:3]
-            words = tuple(S.TextImages().vocabulary(loaded))
-            yield S.CalibSample(s.frames, s.question, [S.Item(words, np.array([[0, 0, Wp, Hp]] * T))])
+            words = tuple(C.TextImages().vocabulary(loaded))
+            yield C.CalibSample(s.frames, s.question, [C.Item(words, np.array([[0, 0, Wp, Hp]] * T))])
 
 
 @pytest.mark.filterwarnings("ignore:SparseMM calibration")  # random weights: few hits on real words
@@ -172,26 +179,26 @@ def test_calibrate_end_to_end(tiny_loaded, arch, tmp_path):
     loaded = tiny_loaded(arch)
     L, H, Hkv = loaded.num_layers, loaded.num_heads, loaded.num_kv_heads
     out = str(tmp_path / "heads.json")
-    hs = S.calibrate(loaded, samples=4, progress=False, out=out, max_new_tokens=12)  # rendered OCR images
+    hs = C.calibrate(loaded, samples=4, progress=False, out=out, max_new_tokens=12)  # rendered OCR images
     assert os.path.exists(out) and hs.meta["source"] == "text-images"
     assert hs.scores.shape == (L, Hkv) and hs.head_scores.shape == (L, H)
     assert torch.isclose(hs.scores.sum(), torch.tensor(1.0)) and torch.isclose(hs.head_scores.sum(), torch.tensor(1.0))
     assert torch.allclose(hs.scores, hs.head_scores.view(L, Hkv, -1).sum(-1))
-    again = S.calibrate(loaded, samples=4, progress=False, out=out)  # reused, not recomputed
+    again = C.calibrate(loaded, samples=4, progress=False, out=out)  # reused, not recomputed
     assert again.meta["created"] == hs.meta["created"] and torch.equal(again.scores, hs.scores)
-    hs = S.calibrate(loaded, samples=4, progress=False, source=WholeFrame(), max_new_tokens=24)
+    hs = C.calibrate(loaded, samples=4, progress=False, source=WholeFrame(), max_new_tokens=24)
     assert not hs.meta["uniform"] and hs.meta["named_tokens"] > 0
-    assert hs.meta["file"] == S.scores_path(loaded)  # default: the cache, keyed by model and revision
+    assert hs.meta["file"] == C.scores_path(loaded)  # default: the cache, keyed by model and revision
     assert torch.isclose(hs.scores.sum(), torch.tensor(1.0))
-    assert S.load_scores(loaded).meta["file"] == hs.meta["file"]  # and the methods find it
-    assert json.load(open(hs.meta["file"]))["key"] == S.model_key(loaded)
+    assert C.load_scores(loaded).meta["file"] == hs.meta["file"]  # and the methods find it
+    assert json.load(open(hs.meta["file"]))["key"] == C.model_key(loaded)
 
 
 @pytest.mark.filterwarnings("ignore:SparseMM calibration")
 def test_toy_clip_source_runs_on_any_model(tiny_loaded, tmp_path):
     loaded = tiny_loaded("qwen2_vl")  # its tokenizer knows the toy's colour and shape words
-    hs = S.calibrate(loaded, samples=3, progress=False, out=str(tmp_path / "t.json"),
-                     source=S.ToyClips(frames=(8,)), max_new_tokens=8)
+    hs = C.calibrate(loaded, samples=3, progress=False, out=str(tmp_path / "t.json"),
+                     source=ToyClips(frames=(8,)), max_new_tokens=8)
     assert hs.meta["source"] == "toy-clips" and hs.meta["generated_tokens"] > 0
     assert torch.isclose(hs.scores.sum(), torch.tensor(1.0))
 
@@ -204,13 +211,16 @@ def test_embedded_model_calibration(tmp_path):
     from sparsevid.models import load_model
 
     loaded = load_model("embedded", device="cpu", dtype="float32")
-    assert S.default_source(loaded).name == "toy-clips"
-    shipped = S.find_scores(loaded)
-    assert shipped is not None and shipped.startswith(S.SHIPPED_DIR), \
+    from sparsevid.toy.calibration import default_source
+
+    assert default_source(loaded).name == "toy-clips"
+    shipped = C.find_scores(loaded)
+    assert shipped is not None and shipped.startswith(C.SHIPPED_DIR), \
         "no calibration shipped for this embedded model: python -m sparsevid calibrate --ship --samples 200"
-    hs = S.load_scores(loaded)
+    hs = C.load_scores(loaded)
     assert not hs.meta["uniform"] and torch.isclose(hs.scores.sum(), torch.tensor(1.0))
-    fresh = S.calibrate(loaded, samples=6, progress=False, out=str(tmp_path / "e.json"), max_new_tokens=12)
+    fresh = C.calibrate(loaded, samples=6, progress=False, out=str(tmp_path / "e.json"), max_new_tokens=12,
+                        source=default_source(loaded))
     assert fresh.meta["source"] == "toy-clips" and fresh.meta["named_tokens"] > 0 and not fresh.meta["uniform"]
 
 
@@ -221,41 +231,44 @@ def _uneven_scores(loaded):
     L, H = loaded.num_layers, loaded.num_heads
     hits = torch.zeros(L, H)
     hits[0, 0], hits[-1, -1], hits[1, 1] = 3.0, 1.0, 0.5
-    return S.HeadScores.from_hits(hits, loaded.num_kv_heads)
+    return C.HeadScores.from_hits(hits, loaded.num_kv_heads)
 
 
 def test_budget_at_least_prompt_equals_dense(tiny_loaded, video_inputs):
     loaded, inputs = tiny_loaded("qwen2_vl"), video_inputs("qwen2_vl")
     with pytest.warns(RuntimeWarning, match="no visual-head calibration"):
-        res = compare(loaded, inputs, ["sparsemm"], Settings(budget=inputs.m), max_new_tokens=12)
-    assert res["sparsemm"].token_ids == res["dense"].token_ids
-    assert res["sparsemm"].extra["sparsemm_uniform"] and res["sparsemm"].extra["kept_fraction"] == 1.0
+        traces, figures = compare(loaded, inputs, ["sparsemm"], {"budget": str(inputs.m)}, max_new_tokens=12)
+    t = traces["sparsemm"]
+    assert t.token_ids == traces["dense"].token_ids and figures["sparsemm"]["identical_to_dense"]
+    assert t.head_scores["uniform"]
+    assert t.layers == {}  # every layer keeps everything: nothing selected, no compact copy
+    assert t.kv_bytes == traces["dense"].kv_bytes
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_small_budget_per_head_cache_and_lossless_draft(tiny_loaded, video_inputs, arch):
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
-    path = _uneven_scores(loaded).save(S.scores_path(loaded))
-    settings = Settings(budget=inputs.m // 3, window=8)
-    res = compare(loaded, inputs, ["sparsemm", "sparsemm-draft"], settings, max_new_tokens=12)
-    direct, draft = res["sparsemm"], res["sparsemm-draft"]
-    assert draft.token_ids == res["dense"].token_ids and draft.extra["identical_to_dense"]
-    assert direct.kv_bytes < res["dense"].kv_bytes and direct.extra["kv_ratio"] < 0.6
-    kept = torch.tensor(direct.trace["sparsemm"]["kept"])
+    path = _uneven_scores(loaded).save(C.scores_path(loaded))
+    settings = {"budget": str(inputs.m // 3), "window": "8"}
+    traces, figures = compare(loaded, inputs, ["sparsemm", "sparsemm-draft"], settings, max_new_tokens=12)
+    direct, draft = traces["sparsemm"], traces["sparsemm-draft"]
+    assert draft.token_ids == traces["dense"].token_ids and figures["sparsemm-draft"]["identical_to_dense"]
+    assert direct.kv_bytes < traces["dense"].kv_bytes and figures["sparsemm"]["kv_ratio"] < 0.6
+    kept = torch.tensor([direct.layers[l].lengths for l in range(loaded.num_layers)])
     assert kept.shape == (loaded.num_layers, loaded.num_kv_heads)
+    assert kept.tolist() == direct.head_scores["caps"].tolist()
     assert len(set(kept.flatten().tolist())) > 1  # per-head lengths differ
     assert kept.sum() == (inputs.m // 3) * kept.numel()  # the budget is spent exactly
     assert kept[0, 0] == kept.max()  # the most visual head holds the most
-    layer0 = direct.trace["selections"][0]
-    assert layer0.lengths == kept[0].tolist() and all(int(k[-1]) == inputs.m - 1 for k in layer0.keep)
-    e = direct.extra
-    assert e["sparsemm_calibration"] == path and 0 < e["top5_mass"] <= 1 and e["speedup"] > 0
-    assert np.isclose(np.sum(direct.trace["sparsemm"]["score_map"]), 1.0)
+    assert all(int(k[-1]) == inputs.m - 1 for k in direct.layers[0].kept)  # the local window is kept
+    e, hs = figures["sparsemm"], direct.head_scores
+    assert hs["file"] == path and not hs["uniform"] and 0 < hs["top5_mass"] <= 1
+    assert e["prefill_kv_pct"] < 60 and e["decode_kv_pct"] < 100
+    assert np.isclose(np.sum(hs["score_map"]), 1.0)
 
 
 @pytest.mark.filterwarnings("ignore:SparseMM calibration")
-def test_registered_and_cli(tiny_model_dir, tmp_path, capsys):
-    assert METHODS["sparsemm"].kind == "direct" and METHODS["sparsemm-draft"].kind == "speculative"
+def test_calibrate_cli(tiny_model_dir, tmp_path, capsys):
     from sparsevid.cli import main
 
     out = tmp_path / "cal.json"

@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
-import torch
 
-from sparsevid.engine import Sampling, decode
-from sparsevid.methods import Settings, compare, run_method
-from sparsevid.policies import TopK
-from sparsevid.speculative import LayerSkipDraft, PolicyDraft, speculative_decode
+from sparsevid import metrics
+from sparsevid.engine import LayerSkipDraft, PolicyDraft, Sampling, decode, speculative_decode
+from sparsevid.methods.std import TopK
+from sparsevid.runs import compare, run_method
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
@@ -35,13 +34,12 @@ def test_greedy_drafts_equal_dense(inputs_for, arch):
     dense = decode(loaded, inputs, max_new_tokens=24)
     for gamma in (1, 4, 9):
         for k in (1, 0.25, 1.0):
-            draft = PolicyDraft(TopK(k))
-            res = speculative_decode(loaded, inputs, draft, gamma=gamma, max_new_tokens=24)
+            res = speculative_decode(loaded, inputs, PolicyDraft(TopK(k)), gamma=gamma, max_new_tokens=24)
             assert res.token_ids == dense.token_ids, (arch, gamma, k)
-            if isinstance(k, float) and k == 1.0:  # keeping every visual token: the draft is dense, every proposal accepted
-                assert res.extra["acceptance"] == 1.0
+            if isinstance(k, float) and k == 1.0:  # every visual token kept: the draft is dense, all accepted
+                assert metrics.acceptance(res) == 1.0
     for name in ("streaming", "layerskip"):
-        res = run_method(loaded, inputs, name, Settings(gamma=4, k=0.25), max_new_tokens=24)
+        res = run_method(loaded, inputs, name, {"gamma": "4", "k": "0.25"}, max_new_tokens=24)
         assert res.token_ids == dense.token_ids, name
 
 
@@ -53,6 +51,9 @@ def test_refresh_on_and_off_both_exact(inputs_for):
             res = speculative_decode(loaded, inputs, PolicyDraft(TopK(0.25), refresh=refresh), gamma=gamma,
                                      max_new_tokens=24)
             assert res.token_ids == dense.token_ids, (refresh, gamma)
+    # the same through the settings path
+    res = run_method(loaded, inputs, "std", {"k": "0.25", "gamma": "3", "refresh": "off"}, max_new_tokens=24)
+    assert res.token_ids == dense.token_ids and res.config["refresh"] is False
 
 
 class ContraryDraft(PolicyDraft):
@@ -67,8 +68,9 @@ def test_every_draft_rejected_still_exact(inputs_for):
     dense = decode(loaded, inputs, max_new_tokens=16)
     res = speculative_decode(loaded, inputs, ContraryDraft(TopK(0.25)), gamma=4, max_new_tokens=16)
     assert res.token_ids == dense.token_ids
-    assert res.extra["acceptance"] < 0.1
-    assert res.extra["rounds"] >= len(dense.token_ids) - 1 - res.extra["accepted"]
+    assert metrics.acceptance(res) < 0.1
+    accepted = sum(r.accepted for r in res.rounds)
+    assert len(res.rounds) >= len(dense.token_ids) - 1 - accepted
 
 
 def test_eos_inside_a_draft(inputs_for, monkeypatch):
@@ -95,38 +97,39 @@ def test_max_new_tokens_inside_a_round(inputs_for, max_new):
 
 def test_compare_reports_figures(inputs_for):
     loaded, inputs = inputs_for("qwen2_vl")
-    results = compare(loaded, inputs, "std,streaming,layerskip", Settings(k=0.5, gamma=4), max_new_tokens=16)
-    assert list(results) == ["dense", "std", "streaming", "layerskip"]
+    traces, figures = compare(loaded, inputs, "std,streaming,layerskip", {"k": "0.5", "gamma": "4"},
+                              max_new_tokens=16)
+    assert list(traces) == ["dense", "std", "streaming", "layerskip"]
+    assert list(figures) == ["std", "streaming", "layerskip"]
     for name in ("std", "streaming", "layerskip"):
-        e = results[name].extra
+        e = figures[name]
         assert e["identical_to_dense"] and e["lossless"]
         assert 0 <= e["acceptance"] <= 1 and e["rounds"] >= 1 and e["tokens_per_round"] >= 1
-        assert e["speedup"] > 0 and e["predicted_speedup"] > 0
-    # the draft's compact cache is extra memory held beside the full one
-    assert results["std"].kv_bytes > results["dense"].kv_bytes
+        assert e["predicted_speedup"] > 0
+        assert e["gamma"] == 4 and traces[name].config["gamma"] == 4
+    # the draft's compact cache is extra memory held beside the full one; LayerSkip shares dense's
+    assert traces["std"].kv_bytes > traces["dense"].kv_bytes
+    assert traces["layerskip"].kv_bytes == traces["dense"].kv_bytes
 
 
-def second_tokens(loaded, inputs, n, runner):
-    out = []
-    for seed in range(n):
-        ids = runner(Sampling(temperature=1.0, seed=seed)).token_ids
-        out.append(tuple(ids[:3]))
-    return out
+def first_tokens(n, runner):
+    return [tuple(runner(Sampling(temperature=1.0, seed=seed)).token_ids[:3]) for seed in range(n)]
 
 
 def test_speculative_sampling_matches_dense_distribution(inputs_for):
     """Chi-square two-sample test on the (2nd, 3rd) generated tokens with a crude LayerSkip draft.
 
     A wrong acceptance rule (e.g. always accepting) yields the draft's distribution and fails.
+    (Several rounds with a sparse draft and top_p < 1: tests/test_house.py.)
     """
     from scipy.stats import chi2_contingency
 
     loaded, inputs = inputs_for("qwen2_vl")
     n = 400
-    dense = second_tokens(loaded, inputs, n, lambda s: decode(loaded, inputs, max_new_tokens=3, sampling=s))
-    spec = second_tokens(loaded, inputs, n, lambda s: speculative_decode(
-        loaded, inputs, LayerSkipDraft(1), gamma=2, max_new_tokens=3, sampling=Sampling(s.temperature, s.top_p,
-                                                                                        s.seed + 10_000)))
+    dense = first_tokens(n, lambda s: decode(loaded, inputs, max_new_tokens=3, sampling=s))
+    spec = first_tokens(n, lambda s: speculative_decode(
+        loaded, inputs, LayerSkipDraft(1), gamma=2, max_new_tokens=3,
+        sampling=Sampling(s.temperature, s.top_p, s.seed + 10_000)))
     for pos in (1, 2):
         a = [t[pos] for t in dense if len(t) > pos]
         b = [t[pos] for t in spec if len(t) > pos]

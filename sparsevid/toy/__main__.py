@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     if a.cmd == "make-eval":
-        from ..evaluation import make_toy_eval_set
+        from .evalset import make_toy_eval_set
 
         print(make_toy_eval_set(a.n, a.out, [int(f) for f in a.frames.split(",")], a.seed))
         return 0

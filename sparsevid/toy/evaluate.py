@@ -8,7 +8,7 @@ figures come from the dense prefill:
 
 - relevance r[l, g, j]: attention of the query tokens (positions after the last visual token)
   to visual token j, softmax over all keys, averaged over query tokens, summed over the query
-  heads of KV group g (SPEC §1);
+  heads of KV group g;
 - top10_mass: share of r[l, g, :] held by its top 10 % of visual tokens, averaged over layers
   and KV heads;
 - box_hit_rate: for the most relevant heads (the quarter of (layer, KV head) pairs whose query
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from .clips import SHORT_MAX
-from .data import encode
 from .questions import QTYPES, make_sample, normalise
 from .tokenizer import SPECIAL_TOKENS
 
@@ -59,27 +58,6 @@ def ref_kind(s) -> str | None:
     return "both" if c and sh else ("colour" if c else "shape")
 
 
-def model_inputs(enc, special) -> dict:
-    ids = torch.tensor([enc.input_ids])
-    return {
-        "input_ids": ids, "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": (ids == special["<|video_pad|>"]).long() * 2,
-        "pixel_values_videos": enc.pixel_values, "video_grid_thw": enc.grid_thw,
-    }
-
-
-def relevance(prefill_attns, vis_start: int, n_visual: int, n_kv: int) -> np.ndarray:
-    """r[l, g, j] from the prefill attention maps (tuple of [1, H, L, L])."""
-    out = []
-    q0 = vis_start + n_visual
-    for a in prefill_attns:
-        a = a[0, :, q0:, vis_start:vis_start + n_visual].float()  # H, Q, V
-        H = a.shape[0]
-        r = a.mean(1).reshape(n_kv, H // n_kv, n_visual).sum(1)
-        out.append(r.numpy())
-    return np.stack(out)
-
-
 def attention_figures(r: np.ndarray, target: np.ndarray, head_frac: float = 0.25, kmax: int = 16) -> dict:
     L, G, V = r.shape
     k10 = max(1, math.ceil(0.1 * V))
@@ -98,86 +76,45 @@ def attention_figures(r: np.ndarray, target: np.ndarray, head_frac: float = 0.25
             "box_hit_rate_random": float(target.sum() / V)}
 
 
-def _engine():
-    """The project's engine and methods, or None when they cannot be imported."""
-    try:
-        from sparsevid import engine, methods, models  # noqa: F401
-
-        return engine, methods, models
-    except Exception:
-        return None
-
-
 class _Runner:
-    """Runs dense (with relevance) and the other methods on one sample.
+    """Runs dense (keeping its prefill relevance) and the other methods on one sample, through the
+    project's engine (`models.load_model`, the model's adapter, `engine.decode`, `runs.run_method`)."""
 
-    Through the project's engine (`sparsevid.models.load_model`, the model's adapter,
-    `sparsevid.engine.decode` with prefill statistics, `sparsevid.methods.run_method`) when it is
-    importable; else plain greedy `generate` with eager attention (dense only).
-    """
+    def __init__(self, model_dir: str, methods, max_new_tokens: int):
+        from ..methods import parse_methods
+        from ..models import load_model
 
-    def __init__(self, model_dir: str, methods, max_new_tokens: int, use_engine: bool = True):
-        self.methods, self.max_new_tokens = list(methods), max_new_tokens
-        eng = _engine() if use_engine else None
-        self.engine = eng
-        if eng is not None:
-            engine, meth, models = eng
-            self.loaded = models.load_model(model_dir, device="cpu", dtype="float32")
-            self.tok = self.loaded.tokenizer
-            self.names = meth.parse_methods(self.methods)
-            self.settings = meth.Settings()
-            self.n_kv = self.loaded.num_kv_heads
-        else:
-            self.tok, self.model, self.special = load_toy(model_dir)
-            self.names = ["dense"]
-            self.n_kv = self.model.config.text_config.num_key_value_heads
+        self.max_new_tokens = max_new_tokens
+        self.loaded = load_model(model_dir, device="cpu", dtype="float32")
+        self.names = parse_methods(list(methods))
 
     def __call__(self, s):
         """-> ({method: answer text}, r [L, Hkv, m_v], target cells [m_v] bool, dense seconds)."""
-        from .model import MERGE
-
-        if self.engine is not None:
-            engine, meth, _ = self.engine
-            inputs = self.loaded.adapter.build_inputs(s.clip.frames, s.question)
-            t0 = time.time()
-            dense = engine.decode(self.loaded, inputs, method="dense", max_new_tokens=self.max_new_tokens,
-                                  keep_stats=True)
-            dt = time.time() - t0
-            texts = {"dense": dense.text}
-            for name in self.names[1:]:
-                res = meth.run_method(self.loaded, inputs, name, self.settings, self.max_new_tokens)
-                texts[name] = res.text
-            vis = inputs.visual_positions
-            st = dense.trace["stats"]
-            r = np.stack([st[l].relevance[:, vis].float().cpu().numpy() for l in sorted(st)])
-            t, rows, cols = inputs.grid
-        else:
-            special = self.special
-            enc = encode(s, self.tok, special, with_answer=False)
-            inp = model_inputs(enc, special)
-            t0 = time.time()
-            with torch.no_grad():
-                out = self.model.generate(**inp, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                          output_attentions=True, return_dict_in_generate=True,
-                                          eos_token_id=special["<|im_end|>"], pad_token_id=special["<|endoftext|>"])
-            dt = time.time() - t0
-            gen = out.sequences[0, inp["input_ids"].shape[1]:]
-            texts = {"dense": self.tok.decode(gen, skip_special_tokens=True).strip()}
-            r = relevance(out.attentions[0], enc.vis_start, enc.n_visual, self.n_kv)
-            _, gh, gw = (int(v) for v in enc.grid_thw[0])
-            t, rows, cols = int(enc.grid_thw[0, 0]), gh // MERGE, gw // MERGE
+        from ..engine import decode
+        from ..runs import run_method
         from .data import target_cells
 
+        inputs = self.loaded.adapter.build_inputs(s.clip.frames, s.question)
+        t0 = time.time()
+        runs = []
+        dense = decode(self.loaded, inputs, max_new_tokens=self.max_new_tokens, keep_stats=True, run_out=runs)
+        dt = time.time() - t0
+        texts = {"dense": dense.text}
+        for name in self.names[1:]:
+            texts[name] = run_method(self.loaded, inputs, name, {}, self.max_new_tokens).text
+        st = runs[0].stats
+        r = np.stack([st[l].relevance[:, inputs.visual_positions].float().cpu().numpy() for l in sorted(st)])
+        t, rows, cols = inputs.grid
         return texts, r, target_cells(s, t, rows, cols), dt
 
 
 def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), threads: int = 2,
-             progress: bool = True, max_new_tokens: int = 24, use_engine: bool = True,
+             progress: bool = True, max_new_tokens: int = 24,
              seed_base: int = EVAL_SEED_BASE) -> dict:
     from tqdm import tqdm
 
     torch.set_num_threads(threads)
-    runner = _Runner(model_dir, methods, max_new_tokens, use_engine)
+    runner = _Runner(model_dir, methods, max_new_tokens)
     names = runner.names
     acc = {m: defaultdict(list) for m in names}
     top10_all, hit_all, rnd_all, top10_layers = [], [], [], []
@@ -229,7 +166,7 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
             "box_hit_rate_random": float(np.mean(rnd_all)),
         },
         "settings": {"model": os.path.abspath(model_dir), "n": n, "frames": list(frames),
-                     "seed_base": seed_base, "engine": runner.engine is not None,
+                     "seed_base": seed_base,
                      "mean_dense_s": t_total / max(1, len(jobs))},
         "errors": [r for r in records if not r["ok"]][:20],
     }

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ..video import write_video
 from .clips import SHORT_MAX
 from .questions import make_sample
 
@@ -19,30 +20,6 @@ EXAMPLES = [
     ("toy_when", 32, "when", 8),
     ("toy_long_describe", 256, "describe", 16),
 ]
-
-
-def write_video(path: str, frames: np.ndarray, fps: int) -> None:
-    """H.264 / yuv420p mp4 (uses sparsevid.video.write_video when the project provides it)."""
-    try:
-        from sparsevid.video import write_video as project_write  # type: ignore
-
-        project_write(path, frames, fps)
-        return
-    except ImportError:
-        pass
-    import av
-
-    T, H, W, _ = frames.shape
-    assert H % 2 == 0 and W % 2 == 0
-    with av.open(path, mode="w") as out:
-        st = out.add_stream("libx264", rate=fps)
-        st.width, st.height, st.pix_fmt = W, H, "yuv420p"
-        st.options = {"crf": "12", "preset": "medium"}
-        for f in frames:
-            for pkt in st.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
-                out.mux(pkt)
-        for pkt in st.encode():
-            out.mux(pkt)
 
 
 def read_video(path: str) -> np.ndarray:

@@ -293,10 +293,10 @@ def register_train_attention() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ..attention import _no_mask  # batches are right padded and causal: no mask needed
+    from ..attention import no_mask  # batches are right padded and causal: no mask needed
 
     AttentionInterface.register(TRAIN_ATTN, _train_attention)
-    AttentionMaskInterface.register(TRAIN_ATTN, _no_mask)
+    AttentionMaskInterface.register(TRAIN_ATTN, no_mask)
     return TRAIN_ATTN
 
 

@@ -1,20 +1,15 @@
-"""SparseMM (SPEC §3.3): visual heads found once by a grounding calibration, asymmetric KV budgets.
+"""SparseMM's visual-head calibration (the SparseMM paper's visual-head score) and the store of its scores.
 
-1. **Calibration** (`calibrate`): show the model inputs whose content location is known, let it
-   generate greedily with dense attention, and for each generated token that names exactly one known
-   item, give every query head whose top-1 attended key is a visual position inside that item's
-   region a hit of 1 / (region size in visual tokens). Hits are averaged over samples, normalised to
-   sum 1 and summed within each KV group. Sources are pluggable: `TextImages` (rendered words at
-   known boxes, "Provide all the OCR results of this image.") for any model, `ToyClips` (object
-   boxes of the embedded model's procedural clips) for the embedded model. The scores are cached in
-   a JSON file keyed by model name and revision and reused.
-2. **Budgets** (`budgets`): average budget B per KV head, local window w, floor ⌊ρ·(B − w)⌋, one
-   score-proportional pool across all layers; caps beyond what the prompt holds go back to the pool.
-3. **Tokens** (`SparseMM.select`): SnapKV: the last w prompt rows' attention, pooled (kernel 5), top
-   `cap − w` earlier prompt positions plus the last w, per KV head; per-head lengths differ, so the
-   core's `SparseKV` (one block per distinct length) holds memory and computes in proportion to what is kept.
+Show the model inputs whose content location is known, let it generate greedily with dense
+attention, and for each generated token that names exactly one known item, give every query head
+whose top-1 attended key is a visual position inside that item's region a hit of
+1 / (region size in visual tokens). Hits are averaged over samples, normalised to sum 1 and summed
+within each KV group. Sources are pluggable: `TextImages` (rendered words at known boxes, "Provide
+all the OCR results of this image.") for any model; the embedded model's clips
+(`sparsevid.toy.calibration.ToyClips`) for the embedded model. The scores are kept in a JSON file
+keyed by model name and revision (`load_scores` finds it: shipped in assets/visual_heads/, else the
+user cache) and given to the SparseMM policy by the runner.
 
-Methods: `sparsemm` (direct, lossy) and `sparsemm-draft` (verified by dense, lossless).
 CLI: `python -m sparsevid calibrate --model NAME_OR_DIR [--samples N] [--out FILE]`.
 """
 
@@ -35,16 +30,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import LayerStats, Run
-from .cache import LayerSelection
 from .engine import new_run, prefill, step
 from .models import ASSETS, EMBEDDED, Loaded, resolve
-from .speculative import PolicyDraft
 
 OCR_IMAGE = "Provide all the OCR results of this image."
 OCR_VIDEO = "Provide all the OCR results of this video."
 SHIPPED_DIR = os.path.join(ASSETS, "visual_heads")
-DEFAULT_BUDGET = 0.4  # B as a fraction of the prompt length when no --budget is given
 
 
 def cache_dir() -> str:
@@ -288,34 +279,10 @@ class TextImages:
             yield CalibSample(np.repeat(img[None], T, 0), OCR_IMAGE if T == 1 else OCR_VIDEO, items)
 
 
-class ToyClips:
-    """The embedded model's procedural clips: questions whose answers name an object (its colour or
-    shape), items = every object of the clip, named by its colour and shape, with its per-frame box.
-    Seeds from `seed` on (outside the training range and the evaluation seeds)."""
-
-    name = "toy-clips"
-    qtypes = ("colour", "shape", "describe")
-
-    def __init__(self, frames: tuple[int, ...] = (16, 32), seed: int = 1_800_000_000):
-        self.frames, self.seed = frames, seed
-
-    def samples(self, loaded: Loaded, n: int) -> Iterator[CalibSample]:
-        from .toy.questions import make_sample
-
-        for i in range(n):
-            s = make_sample(self.seed + i, self.frames[i % len(self.frames)], self.qtypes[i % len(self.qtypes)])
-            items = [Item((o.colour, o.shape), o.boxes) for o in s.clip.objects]
-            yield CalibSample(s.clip.frames, s.question, items)
-
-
 def is_embedded(loaded: Loaded) -> bool:
     path = resolve(loaded.name)
     return os.path.isdir(path) and (os.path.realpath(path) == os.path.realpath(EMBEDDED)
                                     or os.path.exists(os.path.join(path, "toy_training.json")))
-
-
-def default_source(loaded: Loaded) -> Source:
-    return ToyClips() if is_embedded(loaded) else TextImages()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -437,7 +404,7 @@ def sample_hits(loaded: Loaded, sample: CalibSample, max_new_tokens: int) -> tup
 
 def calibrate(loaded: Loaded, samples: int = 32, progress: bool = True, out: str | None = None,
               source: Source | None = None, max_new_tokens: int = 48, force: bool = False) -> HeadScores:
-    """Visual-head scores of `loaded` (SPEC §3.3 step 1), reused from `out` (default: the cache file
+    """Visual-head scores of `loaded` (the SparseMM paper's visual-head score), reused from `out` (default: the cache file
     keyed by model name and revision, or the file shipped in assets/) unless `force`."""
     found = out if out else find_scores(loaded)
     if found and os.path.exists(found) and not force:
@@ -445,7 +412,7 @@ def calibrate(loaded: Loaded, samples: int = 32, progress: bool = True, out: str
     path = out or scores_path(loaded)
     from tqdm import tqdm
 
-    source = source or default_source(loaded)
+    source = source or TextImages()
     total = torch.zeros(loaded.num_layers, loaded.num_heads, dtype=torch.float64)
     counts = dict(tokens=0, named=0)
     t0 = time.perf_counter()
@@ -472,156 +439,6 @@ def calibrate(loaded: Loaded, samples: int = 32, progress: bool = True, out: str
     return hs
 
 
-# --------------------------------------------------------------------------------------------------
-# Budgets and token choice
-# --------------------------------------------------------------------------------------------------
-
-
-def budgets(scores: torch.Tensor, B: int, w: int = 32, rho: float = 0.1,
-            available: int | torch.Tensor | None = None) -> torch.Tensor:
-    """Per-head KV budgets (SPEC §3.3 step 2). scores [L, Hkv] (>= 0) -> caps [L, Hkv] int64.
-
-    base = B − w, floor = ⌊ρ·base⌋, pool = (base − floor)·L·Hkv, cap = score·pool + floor + w,
-    rounded by largest remainder so that the caps sum to exactly B·L·Hkv. A cap above `available`
-    (what the head's prompt holds: int or [L, Hkv]) is cut to it and the excess goes back to the
-    pool, shared by the other heads in proportion to their scores (uniformly if theirs are all 0),
-    repeated until no cap exceeds; when every head is full, caps = available. w is cut to B when B < w.
-    """
-    L, Hkv = scores.shape
-    n = L * Hkv
-    w = min(w, B)
-    base = B - w
-    floor = int(math.floor(rho * base + 1e-9))
-    s = scores.flatten().double().clamp_min(0)
-    avail = torch.full((n,), float("inf"), dtype=torch.float64)
-    if available is not None:
-        avail = torch.as_tensor(available, dtype=torch.float64).expand(L, Hkv).flatten().clone()
-    total = float(B * n)
-    fixed = torch.zeros(n, dtype=torch.bool)
-    while True:
-        free = ~fixed
-        if not free.any():
-            break
-        extra = total - avail[fixed].sum() - (floor + w) * free.sum()
-        share = s * free
-        share = share / share.sum() if share.sum() > 0 else free.double() / free.sum()
-        alloc = torch.where(fixed, avail, floor + w + extra * share)
-        over = free & (alloc > avail)
-        if not over.any():
-            break
-        fixed |= over
-    if not (~fixed).any():
-        return avail.view(L, Hkv).long()
-    caps = torch.where(fixed, avail, alloc.floor())
-    short = int(round(total - caps.sum().item()))
-    if short > 0:  # largest remainder among the free heads
-        rem = torch.where(fixed, torch.full_like(alloc, -1.0), alloc - alloc.floor())
-        caps[rem.topk(short).indices] += 1
-    return caps.view(L, Hkv).long()
-
-
-def snapkv_keep(window_attn: torch.Tensor, caps: torch.Tensor, w: int, kernel: int = 5) -> list[torch.Tensor]:
-    """window_attn [Hkv, m] (last-w-rows attention), caps [Hkv] -> one sorted LongTensor per KV head:
-    the top `cap − w` positions among [0, m − w) by pooled attention, plus the last w positions."""
-    Hkv, m = window_attn.shape
-    w = min(w, m)
-    pooled = F.avg_pool1d(window_attn[:, None, : m - w].float(), kernel, 1, kernel // 2)[:, 0]  # [Hkv, m - w]
-    local = torch.arange(m - w, m, device=window_attn.device)
-    order = pooled.argsort(dim=1, descending=True)  # once for all heads; each takes its prefix
-    return [torch.cat([order[g, : max(0, min(int(caps[g]), m) - w)], local]).sort().values for g in range(Hkv)]
-
-
-@dataclass
-class SparseMM:
-    """SparseMM policy (SPEC §3.3): per-head budgets from visual-head scores, SnapKV token choice.
-
-    scores: HeadScores (scores [L, Hkv], sum 1). budget: B, the average entries kept per KV head, as a
-    count, or a fraction (float <= 1) of the prompt length m; None: DEFAULT_BUDGET·m. Text and visual
-    positions alike count. window: w, the local window and the SnapKV observation rows. rho: floor
-    share. kernel: pooling kernel.
-    observe: "query" (default): when the query tokens (after the visual span) are fewer than w, the
-    observation rows are the query tokens only (`stats.relevance`: same per-head ranking as SnapKV's
-    mean over those rows), so they never reach into the visual span (SPEC §1: the query tokens guide
-    every selection); with w or more query tokens it is SnapKV's last w rows. "window": always the
-    last w rows, as the official code.
-    Defaults measured on the first embedded model's long clips (validation seeds, not the eval's): the
-    paper's ρ = 0.1 with w = 32 rows reaching into the video answered 85 % of questions as dense did,
-    observe="query" 92 %, with ρ = 0.5 97 % (uniform scores: 98 %); ρ = 0.5 is the default.
-    After a prefill, `caps` [L, Hkv] holds the budgets used.
-    """
-
-    scores: HeadScores
-    budget: int | float | None = None
-    window: int = 32
-    rho: float = 0.5
-    kernel: int = 5
-    observe: str = "query"
-    name: str = "sparsemm"
-    caps: torch.Tensor | None = field(default=None, init=False, repr=False)
-    B: int = field(default=0, init=False)
-    m: int = field(default=0, init=False)
-
-    def budget_for(self, m: int) -> int:
-        b = DEFAULT_BUDGET if self.budget is None else self.budget
-        return max(1, round(b * m) if isinstance(b, float) and b <= 1.0 else int(b))
-
-    def select(self, layer: int, stats: LayerStats, run: Run) -> LayerSelection | None:
-        Hkv, m = stats.window.shape
-        if self.caps is None or self.m != m:
-            self.m, self.B = m, self.budget_for(m)
-            self.caps = budgets(self.scores.scores, self.B, self.window, self.rho, available=m)
-        caps = self.caps[layer]
-        if bool((caps >= m).all()):
-            return None
-        obs = stats.window
-        if self.observe == "query" and m - run.query_start < self.window:
-            obs = stats.relevance  # the query tokens' rows only (summed over the group: same ranking)
-        return LayerSelection(snapkv_keep(obs, caps, min(self.window, self.B), self.kernel))
-
-
-# --------------------------------------------------------------------------------------------------
-# Methods and CLI
-# --------------------------------------------------------------------------------------------------
-
-
-def build_policy(settings, loaded: Loaded) -> SparseMM:
-    """SparseMM from the method settings; scores from the model's calibration file, uniform (with a
-    warning) when it has none."""
-    return SparseMM(load_scores(loaded), budget=settings.budget, window=settings.window, rho=settings.rho,
-                    observe=settings.extra.get("observe", "query"))
-
-
-def figures(res, dense, inputs, loaded: Loaded) -> None:
-    """SparseMM's figures, next to the ratios against dense (`methods.add_ratios`): scalars in
-    res.extra, the layer x head score map and each head's budget in res.trace["sparsemm"].
-
-    kept [L, Hkv]: prompt entries each KV head held (its cap, cut to the prompt length).
-    """
-    hs = load_scores(loaded)
-    sels = res.trace.get("selections") or {}
-    L, Hkv, m = loaded.num_layers, loaded.num_kv_heads, inputs.m
-    kept = torch.tensor([sels[l].lengths if l in sels else [m] * Hkv for l in range(L)])
-    mean_step = lambda r: 1e3 * sum(r.step_s) / len(r.step_s) if r.step_s else None  # noqa: E731
-    res.extra.update(
-        sparsemm_calibration=hs.meta.get("file") or "uniform (no calibration file)",
-        sparsemm_uniform=bool(hs.meta.get("uniform")), top5_mass=hs.top_mass(), top5_mass_kv=hs.top_mass(kv=True),
-        mean_kept=float(kept.float().mean()), kept_fraction=float(kept.float().mean() / m),
-        kv_bytes_dense=dense.kv_bytes, decode_step_ms=mean_step(res), dense_decode_step_ms=mean_step(dense))
-    res.trace["sparsemm"] = dict(score_map=hs.head_scores.tolist(), kv_scores=hs.scores.tolist(),
-                                 kept=kept.tolist(), prompt_len=m)
-
-
-def _register() -> None:
-    from .methods import Method, register
-
-    register(Method("sparsemm", "SparseMM (visual-head KV budgets)", "direct", build_policy, figures))
-    register(Method("sparsemm-draft", "SparseMM draft", "speculative",
-                    lambda s, l: PolicyDraft(build_policy(s, l), refresh=s.refresh), figures))
-
-
-_register()
-
-
 def format_map(hs: HeadScores) -> str:
     """The layer x query-head score map as text (percent of the total)."""
     L, H = hs.head_scores.shape
@@ -629,59 +446,3 @@ def format_map(hs: HeadScores) -> str:
     for l in range(L):
         lines.append(f"{l:5d} | " + " ".join(f"{100 * v:4.1f}" for v in hs.head_scores[l].tolist()))
     return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    """Add `calibrate` to `python -m sparsevid`'s subcommands."""
-    p = sub.add_parser("calibrate", help="SparseMM visual-head calibration (once per model; cached)")
-    p.add_argument("--model", default="embedded", help="'embedded' (default), a local folder or a hub id")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--source", choices=("auto", "text", "toy"), default="auto",
-                   help="rendered text images, the embedded model's clips, or auto (toy for the embedded model)")
-    p.add_argument("--out", default=None, help="output file (default: the cache file keyed by model and revision)")
-    p.add_argument("--ship", action="store_true",
-                   help="write to assets/visual_heads/ (shipped with the project) instead of the user cache")
-    p.add_argument("--force", action="store_true", help="recalibrate even if the file exists")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=calibrate_main)
-
-
-def calibrate_main(args) -> int:
-    from .models import load_model
-
-    loaded = load_model(args.model, args.device, args.dtype)
-    source = {"text": TextImages(), "toy": ToyClips()}.get(args.source)
-    if args.ship and not args.out:
-        args.out = os.path.join(SHIPPED_DIR, model_key(loaded) + ".json")
-    with warnings.catch_warnings():  # the summary below says it, without a source line
-        warnings.simplefilter("ignore", RuntimeWarning)
-        hs = calibrate(loaded, samples=args.samples, progress=not (args.quiet or args.json), out=args.out,
-                       source=source, max_new_tokens=args.max_new_tokens, force=args.force)
-    d = dict(hs.to_json(), file=hs.meta.get("file") or args.out)
-    if args.json:
-        print(json.dumps(d))
-    else:
-        print(f"{loaded.name}: {d.get('source')}, {d.get('samples')} samples, {d.get('named_tokens')} of "
-              f"{d.get('generated_tokens')} generated tokens named an item -> {d['file']}")
-        if hs.meta.get("uniform"):
-            print("warning: no head looked at an item the model named: the scores are uniform; try more --samples")
-        print(f"top 5 % of heads hold {d['top5_mass']:.0%} of the score mass (KV heads: {d['top5_mass_kv']:.0%})")
-        print(format_map(hs))
-    return 0
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m sparsevid.sparsemm")
-    add_cli(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Every figure a face shows, as pure functions of traces (no torch, no model).
+
+- `ratios`: a method's run against dense's on the same prompt: decode speedup (per decoded token,
+  none when too few steps were measured), end-to-end speedup, KV ratio, identity with dense,
+  acceptance and tokens per round, the I/O model's prediction (StD paper) and the bound from the
+  run's own step costs (MagicDec's form, Chen et al., arXiv:2408.11049);
+- `efficiency`: analytic KV bytes and FLOPs of a run from the selections it kept (the HT-Sparse
+  paper's figures), so `efficiency_pct` gives them as % of dense.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .traces import LayerRecord, ModelShape, PromptInfo, Trace
+
+MIN_DECODE_STEPS = 4  # fewer decoded tokens than this: no decode ratio (one step's time is noise)
+
+
+def per_token_decode_s(t: Trace) -> float | None:
+    """Decode seconds per token after the first (the first comes from the prefill)."""
+    return t.decode_s / t.decode_tokens if t.decode_tokens else None
+
+
+def decode_speedup(t: Trace, dense: Trace) -> float | None:
+    """dense's decode time per token / the method's; None when either decoded fewer than
+    MIN_DECODE_STEPS tokens."""
+    if min(t.decode_tokens, dense.decode_tokens) < MIN_DECODE_STEPS:
+        return None
+    a, b = per_token_decode_s(dense), per_token_decode_s(t)
+    return a / b if a and b else None
+
+
+def acceptance(t: Trace) -> float | None:
+    proposed = sum(len(r.proposed) for r in t.rounds)
+    return sum(r.accepted for r in t.rounds) / proposed if proposed else None
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """Ω = (1 - α^(γ+1)) / (1 - α): expected tokens per round at acceptance α (γ + 1 at α = 1)."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speculative_bound(alpha: float, gamma: int, c: float, v: float) -> float:
+    """Speedup σ = Ω / (γ·c + v) with draft step cost c and verification cost v in dense steps."""
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
+
+
+def step_costs(t: Trace, dense: Trace) -> tuple[float, float] | None:
+    """(c, v) of a speculative run: its mean draft step and mean verification pass, in dense steps
+    (dense's median decode step of the same prompt)."""
+    if not t.rounds or not dense.step_s:
+        return None
+    step = statistics.median(dense.step_s)
+    drafted = sum(len(r.proposed) for r in t.rounds)
+    c = sum(r.draft_s for r in t.rounds) / drafted / step if drafted else 0.0
+    v = statistics.mean(r.verify_s for r in t.rounds) / step
+    return c, v
+
+
+def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
+    """A method's figures against dense on the same prompt (dense's own ratios are 1)."""
+    d = dict(speedup=decode_speedup(t, dense), e2e_speedup=dense.total_s / t.total_s if t.total_s else None,
+             kv_ratio=t.kv_bytes / dense.kv_bytes if dense.kv_bytes else None,
+             identical_to_dense=t.token_ids == dense.token_ids, lossless=t.kind != "direct",
+             decode_tokens=t.decode_tokens, prefill_ratio=t.prefill_s / dense.prefill_s if dense.prefill_s else None)
+    if t.kind == "speculative":
+        a = acceptance(t)
+        d.update(acceptance=a, rounds=len(t.rounds), gamma=t.gamma,
+                 tokens_per_round=t.decode_tokens / len(t.rounds) if t.rounds else None,
+                 proposed=sum(len(r.proposed) for r in t.rounds), accepted=sum(r.accepted for r in t.rounds),
+                 draft_entries=t.draft_entries, predicted_speedup=None, bound_speedup=None)
+        if a and t.gamma:  # I/O model: c = (K + m_t) / m, v = 1
+            d["predicted_speedup"] = prompt.m / ((t.gamma * t.draft_entries + prompt.m) / (a * t.gamma))
+        costs = step_costs(t, dense)
+        if costs is not None and t.gamma:
+            d.update(draft_step_cost=costs[0], verify_cost=costs[1],
+                     bound_speedup=speculative_bound(a or 0.0, t.gamma, *costs),
+                     bound_speedup_full_acceptance=speculative_bound(1.0, t.gamma, *costs))
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic costs of a run from its selections (language model only)
+
+
+def _allowed(rec: LayerRecord, H: int, m: int) -> np.ndarray:
+    """bool [H, m]: prompt positions each query head reads (a dropped head: none)."""
+    G = H // len(rec.kept)
+    allowed = np.zeros((H, m), dtype=bool)
+    for g, idx in enumerate(rec.kept):
+        allowed[g * G:(g + 1) * G, idx] = True
+    if rec.query_mask is not None:
+        allowed &= rec.query_mask
+    if rec.head_scale is not None:
+        allowed &= (rec.head_scale != 0)[:, None]
+    return allowed
+
+
+def head_keys(rec: LayerRecord | None, m: int, H: int) -> np.ndarray:
+    """Prompt positions each query head attends at decode: int [H] (0 for a dropped head)."""
+    return np.full(H, m) if rec is None else _allowed(rec, H, m).sum(1)
+
+
+def prefill_attended(rec: LayerRecord | None, m: int, H: int, routed: bool) -> int:
+    """(query, key) pairs one layer's prefill attention computes, summed over query heads.
+
+    Dense (or a prefill that is not routed): every row t attends keys 0..t. Routed: every row t of
+    head h attends only its allowed positions <= t (a dropped head: none), as
+    `routing.routed_attention` computes them. A pruned layer (`rec.rows`) computes only its
+    processed rows, over processed keys.
+    """
+    rows = None if rec is None else rec.rows
+    if rec is None or not routed:
+        n = m if rows is None else len(rows)
+        return H * n * (n + 1) // 2
+    counts = np.cumsum(_allowed(rec, H, m), axis=1)  # [H, m]: allowed positions <= t
+    return int(counts.sum() if rows is None else counts[:, rows].sum())
+
+
+def _flops(s: ModelShape, rows: int, attended_pairs: int) -> float:
+    """FLOPs of `rows` new tokens in one layer: projections and MLP (2·in·out per row and matrix) +
+    attention scores and values (2·D each per (query head, key) pair)."""
+    proj = 2 * rows * (s.d * s.H * s.D + 2 * s.d * s.Hkv * s.D + s.H * s.D * s.d + 3 * s.d * s.I)
+    return proj + 4 * s.D * attended_pairs
+
+
+def efficiency(layers: dict[int, LayerRecord], s: ModelShape, m: int, query_start: int, n_steps: int,
+               routed_prefill: bool = False, low_rank: int = 0) -> dict:
+    """Analytic costs of one run whose layers keep `layers` ({} = dense).
+
+    prefill_kv_bytes: prompt KV held after prefill. decode_kv_bytes: KV entries attended per decode
+    step, averaged over steps 1..n_steps. prefill_flops: projections + MLP + attention over the
+    pairs each head attends (+ for a policy, the relevance scores of the query rows, + the LM head of
+    the last position). decode_flops: per step, the same per token, each head over its kept prompt
+    entries + generated tokens; low-rank scoring costs 2·r per prompt pair instead of 2·D, and the
+    prefill pays the SVD and projection of the prompt keys. A pruned layer (`LayerRecord.rows`)
+    counts its m' processed rows for projections, MLP, scores and SVD. peak_act_bytes: one layer's prefill
+    activations (+ a policy's float32 relevance scores); the peak estimate is weights + prefill KV +
+    this. Vision-tower costs are left out (the same for every method).
+    """
+    entry = 2 * s.D * s.bytes
+    mean_gen = (n_steps + 1) / 2
+    kv_prompt = sum(sum(layers[l].lengths) if l in layers else s.Hkv * m for l in range(s.L))
+    start = min(query_start, m - 1)
+    pre = dec = 2.0 * s.d * s.V
+    for layer in range(s.L):
+        rec = layers.get(layer)
+        n = m if rec is None or rec.rows is None else len(rec.rows)  # rows this layer's prefill processed
+        pre += _flops(s, n, prefill_attended(rec, m, s.H, routed_prefill))
+        if layers:  # the query rows (text, never pruned) score the layer's n keys
+            pre += 2 * s.D * s.H * (m - start) * n
+        keys = head_keys(rec, m, s.H)
+        active = s.H if rec is None or rec.head_scale is None else int((rec.head_scale != 0).sum())
+        r = min(low_rank, s.D) if rec is not None and low_rank else s.D
+        if r < s.D:
+            pre += s.Hkv * (4 * n * s.D * s.D + 4 * n * s.D * r)
+        dec += _flops(s, 1, 0) + (2 * s.D + 2 * r) * int(keys.sum()) + 4 * s.D * active * mean_gen
+    act = m * (3 * s.d + 2 * s.H * s.D + 2 * s.Hkv * s.D + 3 * s.I) * s.bytes
+    if layers:
+        act += 4 * s.H * (m - start) * m
+    return dict(prefill_kv_bytes=kv_prompt * entry, decode_kv_bytes=(kv_prompt + s.L * s.Hkv * mean_gen) * entry,
+                prefill_flops=pre, decode_flops=dec, peak_act_bytes=act)
+
+
+def efficiency_pct(t: Trace, dense: Trace, s: ModelShape, prompt: PromptInfo) -> dict:
+    """A direct run's costs as % of dense on the same prompt (the HT-Sparse paper's figures): prefill and
+    decode KV, prefill and decode FLOPs (counted over the same number of decode steps for both),
+    peak memory (CUDA: peak allocated; CPU: weights + the run's peak resident growth; else the
+    analytic estimate), prefill wall time and end-to-end latency (measured)."""
+    n_steps = max(1, dense.decode_tokens)
+    routed = bool(t.config.get("route_prefill")) and t.kind == "direct"
+    low_rank = int(t.config.get("low_rank") or 0)
+    mine = efficiency(t.layers, s, prompt.m, prompt.query_start, n_steps, routed, low_rank)
+    ref = efficiency({}, s, prompt.m, prompt.query_start, n_steps)
+    out = {f"{k}_pct": 100 * mine[k] / ref[k]
+           for k in ("prefill_kv_bytes", "decode_kv_bytes", "prefill_flops", "decode_flops")}
+    out = {k.replace("_bytes_pct", "_pct"): v for k, v in out.items()}
+    if t.peak_memory_bytes is not None and dense.peak_memory_bytes is not None:
+        if t.peak_memory_source == "rss":  # CPU: weights + each run's peak resident growth
+            pct = 100 * (s.weight_bytes + t.peak_memory_bytes) / (s.weight_bytes + dense.peak_memory_bytes)
+        else:
+            pct = 100 * t.peak_memory_bytes / dense.peak_memory_bytes
+        out.update(peak_memory_pct=pct, peak_memory_source=t.peak_memory_source)
+    else:
+        peak = s.weight_bytes + mine["prefill_kv_bytes"] + mine["peak_act_bytes"]
+        peak_ref = s.weight_bytes + ref["prefill_kv_bytes"] + ref["peak_act_bytes"]
+        out.update(peak_memory_pct=100 * peak / peak_ref, peak_memory_source="estimate")
+    out["latency_pct"] = 100 * t.total_s / dense.total_s if dense.total_s else None
+    out["prefill_wall_pct"] = 100 * t.prefill_s / dense.prefill_s if dense.prefill_s else None
+    return out
+
+
+def top_share(scores: np.ndarray, frac: float = 0.05) -> float:
+    """Share of the score mass held by the top `frac` of the entries (at least one)."""
+    s = np.sort(np.asarray(scores, dtype=float).ravel())[::-1]
+    n = max(1, int(np.ceil(frac * s.size)))
+    return float(s[:n].sum() / s.sum()) if s.sum() > 0 else 0.0

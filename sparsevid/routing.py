@@ -1,0 +1,126 @@
+"""Routed prefill attention: each query head attends only the prompt positions routed to it.
+
+A routed layer (HT-Sparse's joint routing) decides before its prefill attention which prompt
+positions each query head may read: per KV group `g` the kept positions `keep[g]` (what its cache
+stores), optionally narrowed per query head by `query_mask [H, m]`, and `head_scale [H]` (0: the
+head is dropped). `routed_attention` then computes, for every prompt row `t`, each head's attention
+over its positions `<= t` only:
+
+- heads whose positions are the whole prompt run plain causal SDPA;
+- heads with a subset gather that subset's K/V once and attend over it (a `[m, n]` causal mask on
+  `n` kept keys, not a mask over all `m` keys), so the work falls with the number of keys kept;
+- dropped heads compute nothing and output 0.
+
+Heads that read the same positions share one SDPA call: with whole-GQA-group roles a layer makes one
+call for its full groups and one for its sparse groups (GQA form, K/V not repeated); mixed groups
+(per-head roles) fall back to one call per set of positions with K/V repeated for its heads.
+
+A row sees kept positions `<= t` only, its own position included only when it is kept: row `t`
+reads exactly what a decode step at position `t` would read from the layer's compact cache, so the
+prompt is processed the same way as generated tokens are. A row with no such position outputs 0.
+
+`masked_reference` is the same computation written as a float64 mask over all keys (for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def head_positions(keep: list[torch.Tensor], query_mask: torch.Tensor | None, head_scale: torch.Tensor | None,
+                   num_heads: int) -> list[torch.Tensor | None]:
+    """Sorted prompt positions [n_h] each query head attends, or None for a head that computes
+    nothing (head_scale 0). keep: one sorted LongTensor per KV group; query_mask bool [H, m]."""
+    G = num_heads // len(keep)
+    out = []
+    for h in range(num_heads):  # H iterations, once per routed layer
+        if head_scale is not None and float(head_scale[h]) == 0.0:
+            out.append(None)
+            continue
+        pos = keep[h // G]
+        if query_mask is not None:
+            pos = pos[query_mask[h].to(pos.device)[pos]]
+        out.append(pos)
+    return out
+
+
+def _buckets(positions: list[torch.Tensor | None]) -> list[tuple[list[int], torch.Tensor]]:
+    """Query heads grouped by identical position sets: [(heads, positions [n])], first use order."""
+    buckets: list[tuple[list[int], torch.Tensor]] = []
+    for h, pos in enumerate(positions):
+        if pos is None:
+            continue
+        for heads, p in buckets:
+            if p.numel() == pos.numel() and torch.equal(p, pos):
+                heads.append(h)
+                break
+        else:
+            buckets.append(([h], pos))
+    return buckets
+
+
+def routed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     keep: list[torch.Tensor], query_mask: torch.Tensor | None = None,
+                     head_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed causal attention of a whole prefill.
+
+    query [1, H, m, D]; key, value [1, Hkv, m, D]; keep: Hkv sorted LongTensors of prompt positions;
+    query_mask optional bool [H, m]; head_scale optional [H] (0 = dropped). Returns [1, m, H, D]:
+    row t of head h = softmax over its positions <= t (times head_scale[h]); 0 where it has none.
+    """
+    _, H, m, D = query.shape
+    Hkv = key.shape[1]
+    G = H // Hkv
+    dev = query.device
+    keep = [k.to(dev) for k in keep]
+    out = query.new_zeros(1, m, H, D)
+    for heads, pos in _buckets(head_positions(keep, query_mask, head_scale, H)):
+        kv = sorted({h // G for h in heads})
+        whole_groups = heads == [g * G + i for g in kv for i in range(G)]
+        hq = torch.tensor(heads, device=dev)
+        if whole_groups:  # GQA form: the bucket's KV heads once, G query heads each
+            k, v = key[:, kv], value[:, kv]
+        else:  # mixed groups: each head's KV head repeated
+            src = torch.tensor([h // G for h in heads], device=dev)
+            k, v = key[:, src], value[:, src]
+        if pos.numel() == m:
+            o = F.scaled_dot_product_attention(query[:, hq], k, v, is_causal=True, scale=scale,
+                                               enable_gqa=whole_groups)
+            out[:, :, hq] = o.transpose(1, 2)
+            continue
+        if pos.numel() == 0:
+            continue
+        first = int(pos[0])  # rows before the first kept position see nothing: they stay 0
+        k, v = k[:, :, pos], v[:, :, pos]  # [1, h_b, n, D]: the kept keys, gathered once
+        mask = pos[None, :] <= torch.arange(first, m, device=dev)[:, None]  # [m - first, n]
+        o = F.scaled_dot_product_attention(query[:, hq, first:], k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=whole_groups)
+        out[:, first:, hq] = o.transpose(1, 2)
+    if head_scale is not None and bool(((head_scale != 0) & (head_scale != 1)).any()):
+        out = out * head_scale.to(dev, out.dtype).view(1, 1, H, 1)
+    return out
+
+
+def masked_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     keep: list[torch.Tensor], query_mask: torch.Tensor | None = None,
+                     head_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same result as `routed_attention`, as an explicit float64 mask over all keys:
+    [1, H, m, D] inputs -> [1, m, H, D] float64."""
+    _, H, m, D = query.shape
+    G = H // key.shape[1]
+    allowed = torch.zeros(H, m, dtype=torch.bool)
+    for h in range(H):
+        allowed[h, keep[h // G].cpu()] = True
+    if query_mask is not None:
+        allowed &= query_mask.cpu()
+    q = query[0].cpu().double()
+    k = key[0].cpu().double().repeat_interleave(G, 0)
+    v = value[0].cpu().double().repeat_interleave(G, 0)
+    scores = q @ k.transpose(1, 2) * scale  # [H, m, m]
+    mask = allowed[:, None, :] & torch.ones(m, m, dtype=torch.bool).tril()[None]
+    w = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)  # a row without keys: 0
+    out = w @ v  # [H, m, D]
+    if head_scale is not None:
+        out = out * head_scale.cpu().double().view(H, 1, 1)
+    return out.transpose(0, 1)[None]

@@ -1,0 +1,136 @@
+"""Running methods by name on one prompt, and the side-by-side comparison against dense.
+
+`compare` is the one timing shell every face uses (app, `run`, `bench`, `eval`): the model is
+warmed up on the prompt before anything is timed, dense runs before and after the methods (its
+times are the medians of those runs, so no method gains from running first or last), and every
+ratio comes from `metrics` over the traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+import torch
+
+from .adapters import VideoInputs
+from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, speculative_decode
+from .methods import METHODS, check_settings, configure, parse_methods
+from .metrics import efficiency_pct, ratios, top_share
+from .models import Loaded
+from .traces import ModelShape, PromptInfo, Trace
+
+
+def model_shape(loaded: Loaded) -> ModelShape:
+    c = loaded.text_config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    return ModelShape(loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, c.hidden_size,
+                      c.intermediate_size, c.vocab_size, torch.finfo(loaded.dtype).bits // 8, weights)
+
+
+def prompt_info(inputs: VideoInputs) -> PromptInfo:
+    return PromptInfo(inputs.m, inputs.query_start, inputs.visual_positions.cpu().numpy(),
+                      inputs.token_grid.cpu().numpy(), tuple(int(x) for x in inputs.grid))
+
+
+def _with_head_scores(config, loaded: Loaded):
+    """A SparseMM config with the model's calibrated scores (uniform, with a warning, when none)."""
+    from .calibration import load_scores
+
+    hs = load_scores(loaded)
+    return dataclasses.replace(config, scores=hs.scores), hs
+
+
+def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | None = None,
+               max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+               on_token: Callable[[int], None] | None = None) -> Trace:
+    """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`)."""
+    method = METHODS[name]
+    config, spec = configure(name, settings)
+    hs = None
+    if getattr(config, "needs_head_scores", False):
+        config, hs = _with_head_scores(config, loaded)
+    kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token)
+    if method.kind == "dense":
+        trace = decode(loaded, inputs, **kw)
+    elif method.kind == "direct":
+        trace = decode(loaded, inputs, policy=config, **kw)
+    else:
+        draft = (LayerSkipDraft(config.draft_layers(loaded.num_layers)) if hasattr(config, "draft_layers")
+                 else PolicyDraft(config, refresh=spec.refresh))
+        trace = speculative_decode(loaded, inputs, draft, gamma=spec.gamma, **kw)
+    if config is not None:
+        trace.config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("scores", "caps")
+                          and not k.startswith("_")}
+        trace.config["route_prefill"] = bool(getattr(config, "route_prefill", False))
+    if spec is not None:
+        trace.config.update(dataclasses.asdict(spec))
+    if hs is not None:
+        trace.head_scores = dict(score_map=hs.head_scores.numpy(), kv_scores=hs.scores.numpy(),
+                                 caps=config.caps.numpy() if config.caps is not None else None,
+                                 file=hs.meta.get("file") or "uniform (no calibration file)",
+                                 uniform=bool(hs.meta.get("uniform")), top5_mass=top_share(hs.head_scores.numpy()))
+    return trace
+
+
+def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> dict:
+    """Every figure of a method's run against dense's: `metrics.ratios`, and for a direct policy
+    its costs as % of dense (`metrics.efficiency_pct`)."""
+    prompt = prompt_info(inputs)
+    out = ratios(trace, dense, prompt)
+    if trace.kind == "direct":
+        out.update(efficiency_pct(trace, dense, model_shape(loaded), prompt))
+    return out
+
+
+class Cancelled(Exception):
+    """A comparison stopped because its `should_stop` said so."""
+
+
+def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None] | None = None) -> None:
+    """One short dense run on the prompt: first-call costs (allocator, kernels, caches) are paid here."""
+    decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token)
+
+
+def _median_times(runs: list[Trace]) -> Trace:
+    """The first run, with prefill and decode times the medians over `runs` (same tokens)."""
+    t = runs[0]
+    return dataclasses.replace(t, prefill_s=statistics.median(r.prefill_s for r in runs),
+                               decode_s=statistics.median(r.decode_s for r in runs),
+                               step_s=sorted(s for r in runs for s in r.step_s))
+
+
+def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, settings: dict | None = None,
+            max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+            on_token: Callable[[str, int], None] | None = None,
+            on_result: Callable[[Trace], None] | None = None, warmup: bool = True,
+            should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, Trace], dict[str, dict]]:
+    """Run dense and each method on the same prompt. Returns ({method: trace}, {method: figures});
+    `on_result(trace)` is called as each method finishes (the figures need dense's second run).
+    `should_stop()` is asked at every token of every run (warm-up included): True raises Cancelled."""
+    names = parse_methods(names)
+    settings = check_settings(settings)
+
+    def callback(name: str | None):
+        def cb(tok: int) -> None:
+            if should_stop is not None and should_stop():
+                raise Cancelled
+            if on_token is not None and name is not None:
+                on_token(name, tok)
+        return cb
+
+    if warmup:
+        warm_up(loaded, inputs, callback(None))
+    dense_runs = [run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback("dense"))]
+    if on_result is not None:
+        on_result(dense_runs[0])
+    traces = {"dense": dense_runs[0]}
+    for name in names[1:]:
+        traces[name] = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(name))
+        if on_result is not None:
+            on_result(traces[name])
+    if len(names) > 1:  # dense again after the methods: its times are the median of both runs
+        dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
+    dense = traces["dense"] = _median_times(dense_runs)
+    return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}
