@@ -103,7 +103,8 @@ class Run:
         vis_rows = (~text)[rows].nonzero().squeeze(1)  # indices of the kept visual rows in `rows`
         self.prune = rows.to(p.visual_positions.device)
         self.pruned_prompt = Prompt(int(rows.numel()), vis_rows.to(p.visual_positions.device),
-                                    int((rows < p.query_start).sum()), p.num_layers, p.num_heads, p.num_kv_heads)
+                                    int((rows < p.query_start).sum()), p.num_layers, p.num_heads, p.num_kv_heads,
+                                    pruned=True)
 
 
 _ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("sparsevid_run", default=None)

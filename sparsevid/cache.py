@@ -27,6 +27,7 @@ class Prompt:
 
     m: prompt length; visual_positions: LongTensor [m_v], sorted; query_start: the first position
     after the visual span (the query tokens start here); model sizes L, H (query heads), Hkv.
+    pruned: the rows a layer sees after FastV-style pruning (coordinates of the kept rows).
     """
 
     m: int
@@ -35,6 +36,7 @@ class Prompt:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    pruned: bool = False
 
     @property
     def m_v(self) -> int:

@@ -201,7 +201,10 @@ class HTSparse:
         dev = stats.relevance.device
         vis = prompt.visual_positions.to(dev)
         text = text_positions(prompt).to(dev)
-        tokens = vis if self.variant == "head" else vis[select_tokens(stats.relevance.sum(0)[vis], self.l_v, self.eta)]
+        if self.variant == "head" or prompt.pruned:  # after pruning, the remaining tokens are the selection
+            tokens = vis
+        else:
+            tokens = vis[select_tokens(stats.relevance.sum(0)[vis], self.l_v, self.eta)]
         keep, query_mask, head_scale = route(roles.to(dev), Hkv, m, text, tokens, self.drop_mode)
         return LayerSelection(keep, query_mask, head_scale, info=dict(roles=roles, saliency=pi, tokens=tokens))
 
