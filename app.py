@@ -32,18 +32,6 @@ EXAMPLES = demo.load_examples()
 run_comparison = demo.gpu(demo.run_comparison)  # ZeroGPU on Spaces, unchanged elsewhere
 compare_json = demo.gpu(demo.compare_json)
 
-CSS = """.card thead { display: none; } .card table { width: 100%; font-size: 0.9em; }
-.help { color: #555; font-size: 0.92em; margin-top: -6px; }"""
-INTRO = """# sparsevid: faster Video-LLM decoding from attention sparsity
-Upload a video and ask a question. The model answers with **dense** decoding and with each method
-you pick, on the same inputs: **StD** (a top-K sparse draft verified by dense, lossless),
-**HT-Sparse** (query-guided head and token routing), **SparseMM** (visual heads get larger KV budgets),
-and the Streaming and LayerSkip drafts. The answers appear on the right; the panels below show what each method did."""
-FRAMES_INFO = ("Up to 256 (the bundled long clip's length): 4,608 visual tokens for the embedded model, about 1 s of "
-               "prefill per run on a 2-core CPU, so 15-30 s for a few methods; 16-32 frames take a few seconds.")
-SCROLL_TO_ANSWERS = "() => document.getElementById('status')?.scrollIntoView({behavior: 'smooth', block: 'start'})"
-
-
 def named(fn, names: list[str]):
     """`fn(*args)` with the signature `names` + (request: gr.Request, progress=gr.Progress()): Gradio
     names the API's parameters from it (`video`, `question`, ..., `k`, `gamma`: no `param_6`)."""
@@ -171,7 +159,7 @@ def help_line(key: str):
 
 
 with gr.Blocks(title="sparsevid") as app:
-    gr.Markdown(INTRO)
+    gr.Markdown(demo.INTRO)
     if START.message():
         gr.Markdown(START.message(), elem_id="startup-warning")
     with gr.Row(equal_height=False):
@@ -187,7 +175,7 @@ with gr.Blocks(title="sparsevid") as app:
             model = gr.Dropdown(demo.model_choices(), value=START.model, label="Model",
                                 info="Real checkpoints load only where the Hugging Face hub is reachable.")
             with gr.Row():
-                frames = gr.Slider(**demo.FRAMES, label="Frames sampled", info=FRAMES_INFO)
+                frames = gr.Slider(**demo.FRAMES, label="Frames sampled", info=demo.FRAMES_INFO)
                 max_new_tokens = gr.Slider(**demo.MAX_NEW_TOKENS, label="Max new tokens")
             methods = gr.CheckboxGroup(START.methods, value=[n for _, n in START.methods if n not in START.broken],
                                        label="Methods (dense always runs)")
@@ -259,7 +247,8 @@ with gr.Blocks(title="sparsevid") as app:
     runs = []
     for i, trigger in enumerate([run_btn.click, question.submit]
                                 + ([examples.load_input_event.then] if EXAMPLES else [])):
-        ev = trigger(busy, None, buttons, queue=False, js=SCROLL_TO_ANSWERS, api_visibility="private")
+        trigger(None, None, None, js=demo.SCROLL_TO_ANSWERS, queue=False, api_visibility="private")  # answers in view
+        ev = trigger(busy, None, buttons, queue=False, api_visibility="private")
         ev = ev.then(run, run_inputs, run_outputs, api_name="run" if i == 0 else None,
                      api_visibility="public" if i == 0 else "private", **gpu_queue)
         ev.then(idle, None, buttons, queue=False, api_visibility="private")
@@ -280,4 +269,4 @@ with gr.Blocks(title="sparsevid") as app:
                  concurrency_limit=4)
 
 if __name__ == "__main__":
-    app.queue(default_concurrency_limit=1, max_size=32).launch(max_file_size=f"{demo.MAX_UPLOAD_MB}mb", css=CSS)
+    app.queue(default_concurrency_limit=1, max_size=32).launch(max_file_size=f"{demo.MAX_UPLOAD_MB}mb", css=demo.CSS)

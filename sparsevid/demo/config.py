@@ -177,3 +177,18 @@ def sampled_boxes(boxes: list, timestamps: list[float], fps: float) -> list:
     """Per source frame boxes (None where the object is not visible) -> one per sampled frame,
     taking the source frame on screen at each sampled timestamp."""
     return [boxes[min(len(boxes) - 1, max(0, int(round(t * fps))))] for t in timestamps] if boxes else []
+
+
+# ------------------------------------------------------------------------------------------------
+# The page's texts and style (app.py lays them out)
+
+CSS = """.card thead { display: none; } .card table { width: 100%; font-size: 0.9em; }
+.help { color: #555; font-size: 0.92em; margin-top: -6px; }"""
+INTRO = """# sparsevid: faster Video-LLM decoding from attention sparsity
+Upload a video and ask a question. The model answers with **dense** decoding and with each method
+you pick, on the same inputs: **StD** (a top-K sparse draft verified by dense, lossless),
+**HT-Sparse** (query-guided head and token routing), **SparseMM** (visual heads get larger KV budgets),
+and the Streaming and LayerSkip drafts. The answers appear on the right; the panels below show what each method did."""
+FRAMES_INFO = ("Up to 256 (the bundled long clip's length): 4,608 visual tokens for the embedded model, about 1 s of "
+               "prefill per run on a 2-core CPU, so 15-30 s for a few methods; 16-32 frames take a few seconds.")
+SCROLL_TO_ANSWERS = "() => document.getElementById('status')?.scrollIntoView({behavior: 'smooth', block: 'start'})"
