@@ -23,6 +23,7 @@ from .adapters import VideoInputs, text_step
 from .attention import Run, active
 from .cache import KVCache, LayerSelection, Prompt
 from .models import Loaded
+from .metrics import best_gamma
 from .traces import LayerRecord, Round, Trace
 
 
@@ -291,9 +292,48 @@ class LayerSkipDraft:
         self.last = out[-1:]
 
 
+class GammaPlan:
+    """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step, measured
+    by a γ = 0 round first), t_draft (a draft step), t_row (each extra token of a verification pass)
+    and the acceptance α so far; `metrics.best_gamma` picks the γ with the most expected tokens per
+    second, 0 (a plain dense step) when speculation cannot pay. After `reprobe` dense steps in a
+    row it tries the draft again, in case acceptance has changed. Lossless whatever it picks."""
+
+    def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16):
+        self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
+        self.t_dense = self.t_draft = self.t_row = None
+        self.accepted = self.proposed = self.dense_run = 0
+
+    def choose(self, room: int) -> tuple[int, str]:
+        """(γ, why) for a round that may still commit `room` draft tokens besides the bonus."""
+        g_max = min(self.gamma, room)
+        if not self.adaptive:
+            return g_max, "fixed"
+        if self.draft_is_dense:
+            return 0, "draft = dense"
+        if self.t_dense is None:
+            return 0, "dense step"
+        if self.t_draft is None or self.dense_run >= self.reprobe:
+            return g_max, "probe"
+        alpha = (self.accepted + 1) / (self.proposed + 1)
+        return best_gamma(alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0), "best"
+
+    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int) -> None:
+        ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
+        self.dense_run = self.dense_run + 1 if drafted == 0 else 0
+        if drafted == 0:
+            self.t_dense = ema(self.t_dense, verify_s)
+            return
+        self.t_draft = ema(self.t_draft, draft_s / drafted)
+        if self.t_dense is not None:
+            self.t_row = ema(self.t_row, max(0.0, verify_s - self.t_dense) / drafted)
+        self.accepted += accepted
+        self.proposed += drafted
+
+
 @torch.inference_mode()
 def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: str = "std", gamma: int = 9,
-                       max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                       adaptive: bool = False, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
                        on_token: Callable[[int], None] | None = None) -> Trace:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et al.'s acceptance rule).
 
@@ -301,7 +341,8 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
     forward over the full cache; the longest prefix dense agrees with is accepted, then dense's own
     next token is added as a bonus. Greedy: agreement means dense's argmax. Sampling: accept draft
     token x with probability min(1, p(x)/q(x)), else resample from norm(max(p - q, 0)). Rollback
-    of either cache is a change of its length.
+    of either cache is a change of its length. With `adaptive`, each round's γ (at most `gamma`,
+    0 = a plain dense step) comes from the run's measured costs (`GammaPlan`).
     """
     dev = loaded.device
     eos = sampling.eos(loaded)
@@ -318,8 +359,14 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
         on_token(out[0])
     rounds: list[Round] = []
     draft.begin(run, out)
+    if draft.policy is not None:  # a draft that keeps every entry everywhere is dense: never run it
+        keeps_all = all(sel.query_mask is None and sel.head_scale is None and min(sel.lengths) >= inputs.m
+                        for sel in run.selections.values())
+    else:
+        keeps_all = draft.layers >= loaded.num_layers
+    plan = GammaPlan(gamma, adaptive, draft_is_dense=keeps_all)
     while out[-1] not in eos and len(out) < max_new_tokens:
-        g = min(gamma, max_new_tokens - len(out) - 1)  # room for the bonus token
+        g, why = plan.choose(max_new_tokens - len(out) - 1)  # room for the bonus token
         ts = time.perf_counter()
         proposed, q_probs, fed, feed = [], [], 0, draft.feed()
         for _ in range(g):
@@ -349,8 +396,9 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
         out.extend(committed)
         sync(dev)
         te = time.perf_counter()
+        plan.observe(len(proposed), tv - ts, te - tv, accepted)
         rounds.append(Round(proposed, accepted, bonus if len(committed) == accepted + 1 else None, tv - ts, te - tv,
-                            gamma=g))
+                            gamma=g, why=why))
         if on_token is not None:
             for t in committed:
                 on_token(t)

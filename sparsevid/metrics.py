@@ -48,15 +48,25 @@ def speculative_bound(alpha: float, gamma: int, c: float, v: float) -> float:
     return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
 
 
+def best_gamma(alpha: float, gamma_max: int, t_draft: float, t_dense: float, t_row: float) -> int:
+    """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of
+    γ draft steps (t_draft each) and one verification of γ + 1 tokens (t_dense + γ·t_row); γ = 0 is a
+    plain dense step (one token per t_dense)."""
+    def rate(g: int) -> float:
+        return expected_tokens_per_round(alpha, g) / (g * t_draft + t_dense + g * t_row)
+
+    return max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
+
+
 def step_costs(t: Trace, dense: Trace) -> tuple[float, float] | None:
     """(c, v) of a speculative run: its mean draft step and mean verification pass, in dense steps
     (dense's median decode step of the same prompt)."""
-    if not t.rounds or not dense.step_s:
+    spec = [r for r in t.rounds if r.proposed]  # rounds with γ = 0 are plain dense steps
+    if not spec or not dense.step_s:
         return None
     step = statistics.median(dense.step_s)
-    drafted = sum(len(r.proposed) for r in t.rounds)
-    c = sum(r.draft_s for r in t.rounds) / drafted / step if drafted else 0.0
-    v = statistics.mean(r.verify_s for r in t.rounds) / step
+    c = sum(r.draft_s for r in spec) / sum(len(r.proposed) for r in spec) / step
+    v = statistics.mean(r.verify_s for r in spec) / step
     return c, v
 
 
@@ -71,7 +81,8 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
         d.update(acceptance=a, rounds=len(t.rounds), gamma=t.gamma,
                  tokens_per_round=t.decode_tokens / len(t.rounds) if t.rounds else None,
                  proposed=sum(len(r.proposed) for r in t.rounds), accepted=sum(r.accepted for r in t.rounds),
-                 draft_entries=t.draft_entries, predicted_speedup=None, bound_speedup=None)
+                 draft_entries=t.draft_entries, predicted_speedup=None, bound_speedup=None,
+                 dense_steps=sum(1 for r in t.rounds if not r.proposed))
         if a and t.gamma:  # I/O model: c = (K + m_t) / m, v = 1
             d["predicted_speedup"] = prompt.m / ((t.gamma * t.draft_entries + prompt.m) / (a * t.gamma))
         costs = step_costs(t, dense)

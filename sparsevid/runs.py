@@ -59,7 +59,7 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
     else:
         draft = (LayerSkipDraft(config.draft_layers(loaded.num_layers)) if hasattr(config, "draft_layers")
                  else PolicyDraft(config, refresh=spec.refresh))
-        trace = speculative_decode(loaded, inputs, draft, gamma=spec.gamma, **kw)
+        trace = speculative_decode(loaded, inputs, draft, gamma=spec.gamma, adaptive=spec.adaptive_gamma, **kw)
     if config is not None:
         trace.config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("scores", "caps")
                           and not k.startswith("_")}

@@ -73,7 +73,8 @@ class LayerRecord:
 @dataclass
 class Round:
     """One speculative round: the draft's tokens, how many dense accepted, its bonus token (None when
-    the answer ended first), the round's γ, and the round's draft and verify times."""
+    the answer ended first), the round's draft and verify times, its γ and why that γ (adaptive γ:
+    "dense step" to measure one, "probe", "best", "draft = dense"; fixed: "fixed")."""
 
     proposed: list[int]
     accepted: int
@@ -81,6 +82,7 @@ class Round:
     draft_s: float
     verify_s: float
     gamma: int = 0
+    why: str = ""
 
 
 @dataclass

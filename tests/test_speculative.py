@@ -140,3 +140,51 @@ def test_speculative_sampling_matches_dense_distribution(inputs_for):
         table = table[:, table.sum(0) > 0]
         p = chi2_contingency(table)[1]
         assert p > 0.001, (pos, p)
+
+
+# --- adaptive γ --------------------------------------------------------------------------------------
+
+
+def test_best_gamma_is_zero_when_the_draft_costs_a_dense_step_and_large_when_it_is_cheap():
+    from sparsevid.metrics import best_gamma
+
+    # a draft step as dear as a dense step, verification rows as dear too: speculation cannot pay
+    assert best_gamma(alpha=0.9, gamma_max=9, t_draft=1.0, t_dense=1.0, t_row=1.0) == 0
+    assert best_gamma(alpha=0.99, gamma_max=9, t_draft=0.9, t_dense=1.0, t_row=0.5) == 0
+    # a cheap draft and cheap verification rows at high acceptance: the longest draft
+    assert best_gamma(alpha=0.95, gamma_max=9, t_draft=0.1, t_dense=1.0, t_row=0.02) == 9
+    # low acceptance: short drafts
+    assert 0 < best_gamma(alpha=0.5, gamma_max=9, t_draft=0.1, t_dense=1.0, t_row=0.02) < 5
+
+
+def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
+    from sparsevid.engine import GammaPlan
+
+    plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3)
+    assert plan.choose(40) == (0, "dense step")
+    plan.observe(0, 0.0, 1.0, 0)  # a dense step: 1.0 s
+    assert plan.choose(40) == (9, "probe")
+    plan.observe(9, 9 * 1.0, 1.0 + 9 * 1.0, 9)  # draft steps as dear as dense steps, all accepted
+    assert plan.choose(40) == (0, "best")
+    for _ in range(3):
+        plan.observe(0, 0.0, 1.0, 0)
+    assert plan.choose(40) == (9, "probe")  # after `reprobe` dense steps it tries the draft again
+    assert plan.choose(3)[0] <= 3  # never more than the room left
+    assert GammaPlan(9, adaptive=False, draft_is_dense=True).choose(40) == (9, "fixed")
+    assert GammaPlan(9, adaptive=True, draft_is_dense=True).choose(40) == (0, "draft = dense")
+
+
+def test_adaptive_gamma_is_token_identical_and_never_runs_a_draft_that_keeps_everything(model_inputs):
+    from sparsevid.engine import Sampling
+    from sparsevid.runs import run_method
+
+    loaded, inputs = model_inputs("qwen2_vl")
+    dense = run_method(loaded, inputs, "dense", {}, 24, Sampling(ignore_eos=True))
+    sparse = run_method(loaded, inputs, "std", {"k": "0.25"}, 24, Sampling(ignore_eos=True))
+    assert sparse.token_ids == dense.token_ids
+    assert sparse.rounds[0].why == "dense step" and any(r.proposed for r in sparse.rounds)
+    whole = run_method(loaded, inputs, "std", {}, 24, Sampling(ignore_eos=True))  # K + m_t >= m: keeps all
+    assert whole.token_ids == dense.token_ids
+    assert whole.layers == {} and all(r.why == "draft = dense" and not r.proposed for r in whole.rounds)
+    fixed = run_method(loaded, inputs, "std", {"adaptive_gamma": "off"}, 24, Sampling(ignore_eos=True))
+    assert fixed.token_ids == dense.token_ids and all(r.why == "fixed" for r in fixed.rounds)

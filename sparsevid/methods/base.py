@@ -18,12 +18,16 @@ from ..options import Option, option, options_of
 
 @dataclass
 class Speculative:
-    """Options of every draft verified by dense (the StD paper): γ and the draft-cache refresh."""
+    """Options of every draft verified by dense (the StD paper): γ (the most draft tokens per round),
+    the draft-cache refresh, and whether γ adapts per round to the measured costs."""
 
     gamma: int = option(9, "draft tokens per round", "int", label="γ: draft tokens per round", min=1, max=32,
                         unit="tokens")
     refresh: bool = option(True, "after each round, replace the accepted tokens' KV in the draft cache by dense's",
                            "bool", label="Refresh the draft cache with dense KV of accepted tokens")
+    adaptive_gamma: bool = option(True, "choose each round's γ (0 to gamma; 0 = a plain dense step) from the run's "
+                                  "measured step costs and acceptance; off: always gamma", "bool",
+                                  label="Adaptive γ (never slower than dense by design)")
 
 
 # One visual budget for StD and Streaming (the same key, so both read one setting).
