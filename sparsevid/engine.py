@@ -296,11 +296,13 @@ class GammaPlan:
     """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step, measured
     by a γ = 0 round first), t_draft (a draft step), t_row (each extra token of a verification pass)
     and the acceptance α so far; `metrics.best_gamma` picks the γ with the most expected tokens per
-    second, 0 (a plain dense step) when speculation cannot pay. After `reprobe` dense steps in a
-    row it tries the draft again, in case acceptance has changed. Lossless whatever it picks."""
+    second, 0 (a plain dense step) when speculation cannot pay. The draft is first tried on
+    `probe` tokens, and again after `reprobe` dense steps in a row, in case acceptance has changed.
+    Lossless whatever it picks."""
 
-    def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16):
+    def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
+        self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
         self.t_dense = self.t_draft = self.t_row = None
         self.accepted = self.proposed = self.dense_run = 0
 
@@ -314,7 +316,7 @@ class GammaPlan:
         if self.t_dense is None:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.reprobe:
-            return g_max, "probe"
+            return min(self.probe, g_max), "probe"
         alpha = (self.accepted + 1) / (self.proposed + 1)
         return best_gamma(alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0), "best"
 
@@ -365,6 +367,13 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
     else:
         keeps_all = draft.layers >= loaded.num_layers
     plan = GammaPlan(gamma, adaptive, draft_is_dense=keeps_all)
+    while plan.adaptive and plan.draft_is_dense and out[-1] not in eos and len(out) < max_new_tokens:
+        ts = time.perf_counter()  # the draft is the model itself: plain dense decoding, no round overhead
+        out.append(choose(step(loaded, run, out[-1:], mode="dense")[-1], sampling, gen))
+        sync(dev)
+        rounds.append(Round([], 0, out[-1], 0.0, time.perf_counter() - ts, gamma=0, why="draft = dense"))
+        if on_token is not None:
+            on_token(out[-1])
     while out[-1] not in eos and len(out) < max_new_tokens:
         g, why = plan.choose(max_new_tokens - len(out) - 1)  # room for the bonus token
         ts = time.perf_counter()

@@ -69,7 +69,7 @@ def test_setting_fields_come_from_the_declarations():
     assert k.widget == "textbox" and k.value == "0.25" and "preset" in k.info
     groups = demo.setting_groups()
     assert all(g.methods and set(g.methods) <= set(METHODS) for g in groups)
-    assert any(g.title.startswith("Speculative") and {"gamma", "refresh"} == {f.key for f in g.fields}
+    assert any(g.title.startswith("Speculative") and {"gamma", "refresh", "adaptive_gamma"} == {f.key for f in g.fields}
                for g in groups)
 
 

@@ -30,7 +30,8 @@ def test_readme_library_snippet_runs_and_stays_lossless():
                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE"))
     assert out.returncode == 0, out.stderr[-2000:]
     text, identical, acceptance = out.stdout.strip().rsplit(" ", 2)
-    assert text == "red" and identical == "True" and 0 < float(acceptance) <= 1
+    assert text == "The red square moves to the top in the middle of the video."
+    assert identical == "True" and 0 < float(acceptance) <= 1
 
 
 def commands() -> list[list[str]]:

@@ -82,7 +82,11 @@ def card(name: str, text: str, trace=None, fig: dict | None = None, state: str =
     rows.append(("KV memory", kv))
     if f.get("acceptance") is not None:
         rows.append(("acceptance", f"{f['acceptance']:.0%} · {f.get('tokens_per_round') or 0:.2f} tokens/round · "
-                                   f"{f.get('rounds')} rounds (γ = {f.get('gamma')})"))
+                                   f"{f.get('rounds')} rounds (γ ≤ {f.get('gamma')}, "
+                                   f"{f.get('dense_steps', 0)} of them plain dense steps)"))
+    elif trace.kind == "speculative":  # adaptive γ chose dense steps only (a short answer, or a draft = dense)
+        why = trace.rounds[0].why if trace.rounds else "the answer ended at the first token"
+        rows.append(("acceptance", f"no draft token proposed ({len(trace.rounds)} dense steps; {why})"))
     if f.get("decode_flops_pct") is not None:
         rows.append(("cost, % of dense", f"KV {f['prefill_kv_pct']:.0f} % prefill / {f['decode_kv_pct']:.0f} % decode"
                                          f" · FLOPs {f['prefill_flops_pct']:.0f} % / {f['decode_flops_pct']:.0f} %"
