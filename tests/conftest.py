@@ -17,6 +17,18 @@ import pytest  # noqa: E402
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
 
+@pytest.fixture(autouse=True)
+def own_calibration_cache(tmp_path, monkeypatch):
+    """SparseMM calibrations land in a per-test cache, never in the user's ~/.cache (the files shipped
+    in assets/visual_heads/ still apply), and no test sees another's loaded scores."""
+    from sparsevid import calibration
+
+    monkeypatch.setenv("SPARSEVID_CACHE", str(tmp_path / "cache"))
+    calibration._LOADED_SCORES.clear()
+    yield
+    calibration._LOADED_SCORES.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(arch) -> folder of a saved tiny `arch` model (built once per session)."""

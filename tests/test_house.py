@@ -31,17 +31,6 @@ ROOT = Path(sparsevid.__file__).resolve().parent
 MODELS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision", "embedded")
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    """SparseMM looks its calibration up in a per-test cache (the shipped files still apply)."""
-    from sparsevid import calibration
-
-    monkeypatch.setenv("SPARSEVID_CACHE", str(tmp_path / "cache"))
-    calibration._LOADED_SCORES.clear()
-    yield
-    calibration._LOADED_SCORES.clear()
-
-
 # =============================================================================================
 # Import rules
 # =============================================================================================

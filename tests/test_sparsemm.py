@@ -16,15 +16,6 @@ from sparsevid.toy.calibration import ToyClips
 TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    """Calibrations land in a per-test cache, never in the user's ~/.cache."""
-    monkeypatch.setenv("SPARSEVID_CACHE", str(tmp_path / "cache"))
-    C._LOADED_SCORES.clear()
-    yield
-    C._LOADED_SCORES.clear()
-
-
 # ---- budgets (SPEC §3.3 step 2) -------------------------------------------------------------------
 
 SCORES = torch.tensor([[0.5, 0.25], [0.25, 0.0]])  # L = 2, Hkv = 2
