@@ -52,6 +52,10 @@ def cmd_run(args) -> int:
 
     names = parse_methods(args.methods)
     settings = check_settings(settings_from(args))
+    if args.quiet or args.json:  # no progress bar at all, transformers' weight loading included
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     bar = tqdm(total=3 + len(names), desc="sparsevid", file=sys.stderr, disable=args.quiet)
     try:
         bar.set_postfix_str("decoding video")

@@ -155,8 +155,9 @@ def add_arguments(parser, opts: list[Option]) -> None:
             continue
         extra = dict(choices=list(opt.choices)) if opt.kind == "choice" else {}
         unit = f" [{opt.unit}]" if opt.unit else ""
+        one_of = f"; one of {', '.join(map(str, opt.choices))}" if opt.choices else ""
         parser.add_argument(opt.flag, dest=opt.key, default=None, metavar=opt.key.upper(),
-                            help=f"{opt.help}{unit} (default {default})", **extra)
+                            help=f"{opt.help}{unit} (default {default}{one_of})", **extra)
 
 
 def values_from_args(args, opts: list[Option]) -> dict:

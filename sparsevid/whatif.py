@@ -1,4 +1,5 @@
-"""What a speculative method would gain elsewhere: SPEC §6's memory-bound step model, no torch.
+"""What a speculative method would gain elsewhere: the memory-bound step model of decoding on an
+accelerator (as in MagicDec, Chen et al., arXiv:2408.11049), no torch.
 
 On an accelerator one decode step of a 7B model at batch B is memory-bound: it reads the weights
 once and each sequence's KV cache, so `T ≈ (W + B·S·kv) / BW` (`step_s`). A same-weights sparse
@@ -7,7 +8,7 @@ tokens reads what one dense step reads (it is memory-bound too). So the draft st
 `c = T(K + m_t) / T(S)` dense steps, `v = 1`, and the speedup is `metrics.speculative_bound` at
 those costs (the StD paper's I/O model at a reference setting).
 
-Reference figures (SPEC §6): Qwen2-VL-7B / Qwen2.5-VL-7B / LLaVA-OV-7B share the Qwen2-7B
+Reference figures: Qwen2-VL-7B / Qwen2.5-VL-7B / LLaVA-OV-7B share the Qwen2-7B
 backbone: 28 layers, 4 KV heads, head dim 128, so one token's KV in bf16 is
 2 (K and V) · 28 · 4 · 128 · 2 bytes = 57,344 B = 56 KiB; weights ≈ 15.2 GB in bf16
 (8.3 B parameters with the vision tower). Peak HBM bandwidth from the vendors' data sheets:
@@ -23,7 +24,7 @@ from .metrics import expected_tokens_per_round, speculative_bound
 
 KV_BYTES_PER_TOKEN = 2 * 28 * 4 * 128 * 2  # K and V · layers · KV heads · head dim · bf16 bytes = 56 KiB
 WEIGHT_BYTES = 15.2e9  # Qwen2-VL-7B in bf16
-BANDWIDTH = {  # peak memory bandwidth, bytes/s (vendor data sheets; SPEC §6)
+BANDWIDTH = {  # peak memory bandwidth, bytes/s (vendor data sheets)
     "A100 80GB": 2.0e12,
     "H100 SXM": 3.35e12,
     "H200": 4.8e12,

@@ -41,8 +41,8 @@ PANEL_HELP = {  # one line under each panel: how to read it
              "token, none under 4 decoded tokens); right, KV memory held at the end as a ratio to dense (lower is "
              "better). Dense runs before and after the methods; its times are the median.",
     "costs": "How to read this: left, the measured time of one step of each kind in this run; right, each speculative "
-             "method's measured decode speedup beside the bound σ = Ω / (γ·c + v) from those step costs (SPEC §6, "
-             "MagicDec's form) at the measured acceptance and at acceptance 1, and the I/O model's prediction.",
+             "method's measured decode speedup beside the bound σ = Ω / (γ·c + v) from those step costs (MagicDec's "
+             "form) at the measured acceptance and at acceptance 1, and the I/O model's prediction.",
     "whatif": "How to read this: the same formula with the step costs of a memory-bound accelerator, "
               "T ≈ (W + B·S·kv) / BW (weights 15.2 GB, 56 KiB of KV per token): the sparse draft reads the weights "
               "and K + text KV entries, verification reads what a dense step reads. Solid: the chosen acceptance; "
