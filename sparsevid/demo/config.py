@@ -183,6 +183,7 @@ def sampled_boxes(boxes: list, timestamps: list[float], fps: float) -> list:
 # The page's texts and style (app.py lays them out)
 
 CSS = """.card thead { display: none; } .card table { width: 100%; font-size: 0.9em; }
+.card td:first-child { white-space: nowrap; }
 .help { color: #555; font-size: 0.92em; margin-top: -6px; }"""
 INTRO = """# sparsevid: faster Video-LLM decoding from attention sparsity
 Upload a video and ask a question. The model answers with **dense** decoding and with each method
