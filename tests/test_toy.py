@@ -317,3 +317,257 @@ def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
     assert set(dense["by_ref"]) <= {"colour", "shape", "both"} and {"colour", "shape"} <= set(dense["by_ref"])
     assert 0.5 <= dense["overall"] <= 1.0  # the shipped model answers most held-out questions
     assert 0.0 < res["attention"]["top10_mass"] <= 1.0 and 0.0 <= res["attention"]["box_hit_rate"] <= 1.0
+
+
+# ---- issue 22: domain randomisation, narration, degenerate answers (all opt-in)
+
+import hashlib  # noqa: E402
+
+
+def _clip_fp(clip) -> str:
+    h = hashlib.sha256()
+    h.update(clip.frames.tobytes())
+    h.update(clip.idmap.tobytes())
+    for o in clip.objects:
+        h.update(repr(sorted(o.to_dict().items())).encode())
+        h.update(o.boxes.tobytes())
+    return h.hexdigest()[:16]
+
+
+# Fingerprints computed with the generator as it was before styles existed (commit 553c1f0's
+# clips.py and questions.py): the default renderer and question sampling must not move a bit.
+_CLIP_FP = {(0, 8): "4782ef1f5af192e2", (1, 16): "4862058571970937", (2, 32): "6a4be3e90ab8fa38",
+            (3, 48): "b1872e2be911399e", (4, 16): "d722f6ad05d70417", (5, 8): "46d0ffd8913d3b8b",
+            (6, 256): "6db6e6bdb16c8c78", (7, 9): "c55b10c1d68d2574"}
+_SAMPLE_FP = {(10, 16, None): "57728456472fe50d", (10, 16, "count"): "1508a8a64b7cb234",
+              (10, 16, "describe"): "b97baabc25218ae3", (11, 8, None): "4833f407e977ba67",
+              (11, 8, "count"): "b20fb01141ac2d97", (11, 8, "describe"): "1a2630e2da210616",
+              (12, 64, None): "ec7d073b4ee6b80d", (12, 64, "count"): "a20b5012b795236c",
+              (12, 64, "describe"): "57e8eafa4a98b513", (13, 16, None): "0721764e54d39030",
+              (13, 16, "count"): "fe24167590e833d2", (13, 16, "describe"): "e48942cb34bf7d87"}
+# `_Draws` batches of TrainConfig() (and with questions_per_clip=3) before the issue-22 options
+_BATCH_PLAN = [(1, 0, 1, 0.0), (2, 3, 2, 0.1), (3, 5, 3, 0.5), (3, 6, 3, 0.5), (7, 2, 2, 1.0)]
+_BATCH_FP = {1: ["f03df1ed449b49de", "9aa6a378e05289aa", "3b59f37c79aa36dd", "fd288419e6c9d1cf", "d9c08de11322eddf"],
+             3: ["f03df1ed449b49de", "272923f4f417a1c4", "e16b5c46c8c765f3", "0681f0699b00416a", "eb1d3cbd64aa6c91"]}
+
+
+def test_default_clips_and_questions_are_bit_identical_to_the_original_generator():
+    from sparsevid.toy.clips import LEGACY
+
+    for (seed, frames), want in _CLIP_FP.items():
+        assert _clip_fp(make_clip(seed, frames)) == want, (seed, frames)
+        assert _clip_fp(make_clip(seed, frames, style=LEGACY)) == want, (seed, frames)
+    for (seed, frames, q), want in _SAMPLE_FP.items():
+        s = make_sample(seed, frames, q)
+        got = hashlib.sha256(f"{_clip_fp(s.clip)}|{s.qtype}|{s.question}|{s.answer}|{s.obj_id}".encode())
+        assert got.hexdigest()[:16] == want, (seed, frames, q)
+
+
+@pytest.mark.parametrize("qpc", [1, 3])
+def test_default_training_batches_are_the_original_ones(qpc):
+    """TrainConfig() with the issue-22 options off draws exactly the original batches (tokenizer
+    included), so it trains exactly as before."""
+    from transformers import PreTrainedTokenizerFast
+
+    from sparsevid.toy.questions import corpus
+    from sparsevid.toy.tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from sparsevid.toy.train import TrainConfig, _Draws, build_tokenizer_and_model
+
+    cfg = TrainConfig(questions_per_clip=qpc)
+    assert cfg.style_prob == 0 and cfg.narration_prob == 0
+    tok_obj = train_tokenizer(corpus())
+    assert tok_obj.to_str() == build_tokenizer_and_model(replace_cfg_small(cfg))[0].to_str()
+    special = {t: tok_obj.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok_obj, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    draws = _Draws(cfg, tok, special, _BATCH_PLAN)
+    for i, want in enumerate(_BATCH_FP[qpc]):
+        T, encs, _ = draws[i]
+        h = hashlib.sha256(str(T).encode())
+        for e in encs:
+            h.update(repr((e.input_ids, e.labels, e.vis_start, e.n_visual)).encode())
+            h.update(e.pixel_values.numpy().tobytes())
+            h.update(e.aux.tobytes())
+            for q in e.questions:
+                h.update(repr((q.start, q.prompt_len, q.end, q.names)).encode())
+                h.update(q.target.tobytes())
+                h.update(q.readout.tobytes())
+        assert h.hexdigest()[:16] == want, _BATCH_PLAN[i]
+
+
+def replace_cfg_small(cfg):
+    from dataclasses import replace
+
+    return replace(cfg, hidden=64, vision_embed=32, layers=1)
+
+
+def test_random_styles_keep_boxes_exact_and_answers_right():
+    from sparsevid.toy.clips import HELD_OUT_BACKGROUNDS, HELD_OUT_BANDS, held_out_family, sample_style
+
+    seen = set()
+    for seed in range(40):
+        st = sample_style(seed, train=True)
+        assert not held_out_family(st)
+        ho = sample_style(seed, held_out=True)
+        assert held_out_family(ho) and (ho.background in HELD_OUT_BACKGROUNDS or ho.size_band in HELD_OUT_BANDS)
+        assert sample_style(seed) == st  # deterministic
+        seen.update({st.background, st.distractors, st.bar, st.crf is None, (st.height, st.width)})
+        if seed >= 12:
+            continue
+        frames = (8, 16, 48)[seed % 3]
+        clip = make_clip(seed, frames, style=replace_style_cheap(st) if seed % 2 else st)
+        T, H, W = clip.frames.shape[:3]
+        assert (T, H, W) == (frames, st.height, st.width) and clip.meta["held_out"] is False
+        assert np.array_equal(clip.frames, make_clip(seed, frames, style=replace_style_cheap(st) if seed % 2 else st).frames)
+        for o in clip.objects:
+            for t in range(T):
+                mask = clip.idmap[t] == o.id
+                if not mask.any():
+                    assert o.boxes[t, 0] == -1
+                    continue
+                ys, xs = np.nonzero(mask)
+                assert tuple(o.boxes[t]) == (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+        s = make_sample(seed, frames, "direction", style=st)
+        o = s.clip.obj(s.obj_id)
+        (ax, ay), (bx, by) = _centre(o.boxes[o.start]), _centre(o.boxes[o.end - 1])
+        if o.end - o.start > 1:
+            dx, dy = bx - ax, by - ay
+            assert s.answer == (("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up"))
+    assert {"plain", "noise", "gradient", "stripes", "checker", "none", "top", "bottom", True, False} <= seen
+    assert len([x for x in seen if isinstance(x, tuple)]) >= 5  # frame sizes / aspect ratios
+
+
+def replace_style_cheap(st):
+    from dataclasses import replace
+
+    return replace(st, crf=None)
+
+
+def test_no_bar_and_other_bar_clips_differ_only_in_the_bar():
+    from dataclasses import replace
+
+    from sparsevid.toy.clips import LEGACY
+
+    base = make_clip(3, 16)
+    nobar = make_clip(3, 16, style=replace(LEGACY, bar="none"))
+    assert np.array_equal(base.frames[:, : 96 - BAR_H], nobar.frames[:, : 96 - BAR_H])
+    assert not np.array_equal(base.frames[:, 96 - BAR_H:], nobar.frames[:, 96 - BAR_H:])
+    assert [o.to_dict() for o in base.objects] == [o.to_dict() for o in nobar.objects]
+    top = make_clip(3, 16, style=replace(LEGACY, bar="top", bar_colours=((200, 30, 30), (30, 200, 200))))
+    assert (top.frames[-1, :BAR_H] == (30, 200, 200)).all()  # the full bar, coloured, at the top
+    assert all((o.boxes[o.boxes[:, 0] >= 0, 1] >= BAR_H + 2).all() for o in top.objects)
+    assert [(o.colour, o.shape, o.direction, o.start, o.end) for o in base.objects] == \
+        [(o.colour, o.shape, o.direction, o.start, o.end) for o in top.objects]
+
+
+def test_codec_artefacts_are_cheap_and_deterministic():
+    import time
+    from dataclasses import replace
+
+    from sparsevid.toy.clips import LEGACY
+
+    t0 = time.time()
+    a = make_clip(4, 16, style=replace(LEGACY, crf=35))
+    assert time.time() - t0 < 2.0
+    b = make_clip(4, 16, style=replace(LEGACY, crf=35))
+    plain = make_clip(4, 16)
+    assert np.array_equal(a.frames, b.frames) and a.frames.shape == plain.frames.shape
+    diff = np.abs(a.frames.astype(int) - plain.frames.astype(int))
+    assert 0 < diff.mean() < 12  # artefacts, not a different picture
+
+
+def test_narration_answers_and_scores():
+    from sparsevid.toy.clips import sample_style
+    from sparsevid.toy.questions import (NARRATE, NARRATE_TEMPLATES, corpus, narration_order, parse_sentence,
+                                         repeats_3gram_3x, score_narration, sentences)
+    from sparsevid.toy.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(corpus(narration=True))
+    lengths = []
+    for seed in range(40):
+        frames = (8, 16, 32, 64, 96)[seed % 5]
+        s = make_sample(seed, frames, NARRATE, style=sample_style(seed) if seed % 2 else None)
+        assert s.question in NARRATE_TEMPLATES and s.obj_id is None
+        objs = narration_order(s.clip)
+        sents = sentences(s.answer)
+        assert len(sents) == 1 + len(objs) and sents[0].startswith("there")
+        assert sents[0].split()[2] == NUMBERS[len(objs)]
+        for i, (o, x) in enumerate(zip(objs, sents[1:])):
+            assert x.startswith("then ") == (i > 0)
+            assert parse_sentence(x) == (o.colour, o.shape, o.direction, "throughout" if o.full else o.phase.split()[-1])
+        assert [o.start // 2 for o in objs] == sorted(o.start // 2 for o in objs)  # order of appearance
+        lengths.append(len(tok.encode(s.answer).ids))
+        assert not repeats_3gram_3x(s.answer)
+        sc = score_narration(s.answer, s.answer)
+        assert sc["whole"] and sc["sentences"] == 1 and sc["objects"] == 1 and sc["count_ok"]
+    assert 15 <= min(lengths) and max(lengths) <= 70
+    ref = ("There are two objects. A red circle moves to the right at the beginning of the video. "
+           "Then a blue square moves to the top in the middle of the video.")
+    swapped = ("There are two objects. A blue square moves to the top in the middle of the video. "
+               "Then a red circle moves to the right at the beginning of the video.")
+    sc = score_narration(swapped, ref)
+    assert not sc["whole"] and sc["sentences"] == pytest.approx(1 / 3) and sc["objects"] == 1
+    sc = score_narration("There are two objects. A red circle moves to the left at the beginning of the video.", ref)
+    assert sc["objects"] == 0 and sc["count_ok"] and sc["n_pred"] == 2
+
+
+def test_degenerate_answer_detector():
+    from sparsevid.toy.questions import repeats_3gram_3x
+
+    for loop in ["red red red", "to the right to the right to the right",
+                 "A red circle moves up. A red circle moves up. A red circle moves up.",
+                 "The green triangle triangle triangle moves", "The yellowThe yellowThe yellowThe", "crosscrosscross"]:
+        assert repeats_3gram_3x(loop), loop
+    for ok in ["red", "to the right to the right", "The red circle moves to the right at the end of the video.",
+               "There are three objects. A red circle moves to the right at the end of the video. Then a blue "
+               "square moves to the right at the end of the video. Then a green cross moves to the right at the "
+               "end of the video."]:
+        assert not repeats_3gram_3x(ok), ok
+    assert repeats_3gram_3x("of the video x of the video y of the video", consecutive=False)
+
+
+def test_default_question_sampling_never_asks_for_a_narration():
+    from sparsevid.toy.questions import NARRATE
+
+    assert NARRATE not in QTYPES
+    assert all(make_sample(s, 8).qtype in QTYPES for s in range(30))
+
+
+def test_token_labels_follow_the_resize_of_other_frame_sizes():
+    """Frames of other sizes are resized by the preprocessing: the per-token labels and the asked
+    object's cells must follow."""
+    from dataclasses import replace
+
+    from sparsevid.toy.clips import sample_style
+    from sparsevid.toy.data import target_cells, token_labels
+    from sparsevid.toy.model import MERGE, PATCH, preprocess_frames
+
+    st = replace(sample_style(5), height=72, width=128, crf=None, distractors="none", background="plain")
+    s = make_sample(9, 8, "colour", style=st)
+    _, thw = preprocess_frames(s.clip.frames)
+    gt, gh, gw = (int(v) for v in thw[0])
+    assert (gh * PATCH, gw * PATCH) == (64, 128)
+    lab = token_labels(s.clip, gt, gh // MERGE, gw // MERGE)
+    cells = target_cells(s, gt, gh // MERGE, gw // MERGE)
+    from sparsevid.toy.clips import COLOURS
+
+    mine = lab[:, 0] == COLOURS.index(s.clip.obj(s.obj_id).colour) + 1
+    assert mine.any() and cells[mine].all()  # every token labelled with the object lies in its box cells
+
+
+def test_training_runs_with_random_styles_and_narration(tmp_path):
+    from dataclasses import replace
+
+    from sparsevid.toy.train import RANDOMISED, TINY, TrainConfig, _Draws, build_tokenizer_and_model, train
+
+    cfg = replace(TrainConfig(seed=3, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2,
+                              data_workers=0), **TINY)
+    cfg = replace(cfg, **{**RANDOMISED, "short_frames": (8, 12), "short_probs": (0.5, 0.5), "long_frames": (40,),
+                          "narration_prob": 0.5})
+    tok_obj, tok, special, _ = build_tokenizer_and_model(cfg)
+    items = [_Draws(cfg, tok, special, [(2, k, 2, 0.5)])[0] for k in range(4)]
+    texts = [tok.decode(e.input_ids) for _, encs, _ in items for e in encs]
+    assert any("Narrate the video" in t or "What happens in the video" in t or "Describe the video" in t for t in texts)
+    sizes = {tuple(e.grid_thw[0].tolist()[1:]) for _, encs, _ in items for e in encs}
+    assert len(sizes) > 1  # frames of several sizes
+    info = train(cfg, str(tmp_path / "m"), progress=False)
+    assert np.isfinite(info["final_loss"]["lm"])

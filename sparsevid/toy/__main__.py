@@ -24,6 +24,13 @@ def main(argv=None) -> int:
     tr.add_argument("--scale", type=float, default=1.0, help="multiply the number of steps")
     tr.add_argument("--questions-per-clip", type=int, default=1, choices=range(1, 7), metavar="K",
                     help="answer training: K (1-6) questions of distinct types per clip, in one sequence")
+    tr.add_argument("--randomise", action="store_true",
+                    help="issue 22: random clip styles (never the held-out family), frame counts of every "
+                         "size and narration questions (train.RANDOMISED; --style-prob/--narration-prob override)")
+    tr.add_argument("--style-prob", type=float, default=None,
+                    help="share of training clips in a random style (default 0; --randomise: 0.8)")
+    tr.add_argument("--narration-prob", type=float, default=None,
+                    help="share of answer questions asking for a narration (default 0; --randomise: 0.15)")
     ev = sub.add_parser("eval", help="held-out accuracy and attention figures")
     ev.add_argument("--model", default=DEFAULT_MODEL_DIR)
     ev.add_argument("--n", type=int, default=60, help="questions per clip length")
@@ -34,6 +41,13 @@ def main(argv=None) -> int:
     ev.add_argument("--seed-base", type=int, default=None,
                     help="first clip seed (default 1.7e9; training uses < 1e9): pick another range, e.g. "
                          "1.6e9, to choose between recipes without tuning on the reported clips")
+    ev.add_argument("--styles", default="default",
+                    help="comma list of style sets, each reported on its own: default (the training renderer), "
+                         "random (random styles), held-out (the held-out style family), no-bar, other-bar")
+    ev.add_argument("--types", default=None,
+                    help="comma list of question types (default the six short ones; add 'narrate' for narrations)")
+    ev.add_argument("--narration", action="store_true", help="ask for narrations too (adds 'narrate' to the types)")
+    ev.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens (narrations: at least 96)")
     ex = sub.add_parser("examples", help="write the bundled example clips and examples.json")
     ex.add_argument("--out", default=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "examples"))
     ex.add_argument("--model", default=DEFAULT_MODEL_DIR)
@@ -53,11 +67,17 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import TINY, TWO_PASS, TrainConfig, train
+        from .train import RANDOMISED, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
             cfg = replace(cfg, **TWO_PASS)
+        if a.randomise:
+            cfg = replace(cfg, **RANDOMISED)
+        if a.style_prob is not None:
+            cfg = replace(cfg, style_prob=a.style_prob)
+        if a.narration_prob is not None:
+            cfg = replace(cfg, narration_prob=a.narration_prob)
         if a.tiny:
             cfg = replace(cfg, **TINY)
         elif a.scale != 1.0:
@@ -71,11 +91,25 @@ def main(argv=None) -> int:
         print(json.dumps(info))
         return 0
     if a.cmd == "eval":
-        from .evaluate import EVAL_SEED_BASE, evaluate, format_report
+        from .evaluate import EVAL_SEED_BASE, STYLE_SETS, evaluate, evaluate_styles, format_report
+        from .questions import ALL_QTYPES, NARRATE, QTYPES
 
-        res = evaluate(a.model, n=a.n, frames=[int(f) for f in a.frames.split(",") if f],
-                       methods=[m for m in a.methods.split(",") if m], threads=a.threads,
-                       progress=not a.json, seed_base=EVAL_SEED_BASE if a.seed_base is None else a.seed_base)
+        styles = [x for x in a.styles.split(",") if x]
+        qtypes = [x for x in a.types.split(",") if x] if a.types else list(QTYPES)
+        if a.narration and NARRATE not in qtypes:
+            qtypes.append(NARRATE)
+        bad = [x for x in styles if x not in STYLE_SETS] + [x for x in qtypes if x not in ALL_QTYPES]
+        if bad:
+            ap.error(f"unknown style set or question type: {', '.join(bad)} (style sets: {', '.join(STYLE_SETS)}; "
+                     f"types: {', '.join(ALL_QTYPES)})")
+        kw = dict(n=a.n, frames=[int(f) for f in a.frames.split(",") if f],
+                  methods=[m for m in a.methods.split(",") if m], threads=a.threads, progress=not a.json,
+                  seed_base=EVAL_SEED_BASE if a.seed_base is None else a.seed_base, max_new_tokens=a.max_new_tokens,
+                  qtypes=qtypes)
+        if styles == ["default"]:
+            res = evaluate(a.model, **kw)
+        else:
+            res = evaluate_styles(a.model, styles=styles, **kw)
         if a.json:
             print(json.dumps(res))
         else:

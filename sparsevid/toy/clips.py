@@ -7,10 +7,21 @@ Every frame carries a thin progress bar along its bottom edge (like a player's s
 Everything is deterministic in the seed. Frames are uint8 ``[T, H, W, 3]``; every object has a
 per-frame tight box ``[x0, y0, x1, y1)`` (pixels, exclusive end; ``-1`` rows where invisible)
 that covers exactly the pixels drawn for it.
+
+Domain randomisation (issue 22, opt-in): ``make_clip(..., style=Style(...))`` renders the same kind
+of content in another look: background family (plain, noise, gradient, stripes, checker; "rings" is
+the held-out family), level (dark to light), contrast and scale, distractor kind (none, dots, lines,
+grey shapes, specks, mixed, or the original blobs), object-size band, speed band, frame size and
+aspect ratio, colour jitter and cast, sensor noise, the progress bar (bottom, top or none; any
+colours and height) and libx264 compression artefacts. ``sample_style(seed)`` draws one;
+``held_out_family(style)`` says whether it belongs to the held-out style family (the "rings"
+background or the "xl" object-size band), which ``sample_style(..., train=True)`` never draws and
+``sample_style(..., held_out=True)`` always draws. ``style=None`` (the default), like ``LEGACY``,
+draws exactly the original clips, bit for bit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -31,6 +42,136 @@ BAR_H = 3  # progress bar rows at the bottom of every frame
 SHORT_MAX = 32  # clips up to this many frames are "short"
 MAX_SEG = 20  # longest visible segment (frames): fast straight paths must stay inside the frame
 OBJ_SIZE = (20, 29)  # object size range in pixels (of 96), [lo, hi)
+
+# ---- domain randomisation (issue 22)
+TRAIN_BACKGROUNDS = ["plain", "noise", "gradient", "stripes", "checker", "legacy"]
+HELD_OUT_BACKGROUNDS = ["rings"]  # concentric rings: a background family training never sees
+# object size bands, pixels of a 96-pixel frame side ([lo, hi); scaled with the frame's shorter side)
+SIZE_BANDS = {"legacy": OBJ_SIZE, "small": (10, 16), "medium": (16, 24), "large": (24, 32), "xl": (32, 40)}
+TRAIN_BANDS = ["small", "medium", "large"]
+HELD_OUT_BANDS = ["xl"]  # an object-size band training never sees
+SPEED_BANDS = {"slow": (1.5, 3.0), "normal": (3.0, 4.5), "fast": (4.5, 6.5)}  # px/frame of a 96-px side
+DISTRACTORS = ["none", "legacy", "dots", "lines", "grey_shapes", "specks", "mixed"]
+FRAME_SIZES = [(96, 96), (64, 64), (80, 80), (128, 128), (72, 128), (128, 72), (96, 128), (128, 96), (64, 112),
+               (112, 64)]  # (height, width)
+BARS = ["bottom", "top", "none"]
+
+
+@dataclass(frozen=True)
+class Style:
+    """How a clip is rendered (not what happens in it). The defaults are the original renderer
+    (``LEGACY``): ``make_clip(seed, style=LEGACY)`` equals ``make_clip(seed)`` bit for bit, and
+    ``replace(LEGACY, bar="none")`` is the same clip without its progress bar."""
+    background: str = "legacy"  # legacy | plain | noise | gradient | stripes | checker | rings
+    level: float = 120.0  # mean background grey level (0-255); legacy: drawn
+    contrast: float = 15.0  # texture amplitude (grey levels, +-)
+    scale: float = 10.0  # texture scale, pixels: noise blob, stripe period, checker cell, ring period
+    tint: float = 12.0  # per-channel background tint, +-
+    noise: float = 2.0  # per-pixel sensor noise (standard deviation)
+    distractors: str = "legacy"  # one of DISTRACTORS
+    n_distractors: int = 0  # (legacy: drawn, 3-6 short / 3-9 long)
+    size_band: str = "legacy"  # one of SIZE_BANDS
+    speed: tuple = (3.0, 4.5)  # px/frame range (of a 96-pixel side)
+    height: int | None = None  # frame size (None: the `size` argument, square)
+    width: int | None = None
+    obj_jitter: float = 12.0  # per-object colour jitter, per channel, +-
+    gain: tuple = (1.0, 1.0, 1.0)  # per-channel gain of the whole frame (colour cast)
+    brightness: float = 0.0  # added to the whole frame
+    bar: str = "bottom"  # progress bar: bottom | top | none
+    bar_space: bool = True  # keep objects off the bar's band (also when bar == "none")
+    bar_h: int = BAR_H
+    bar_colours: tuple = ((35, 35, 35), (215, 215, 215))  # track, fill (RGB)
+    crf: int | None = None  # libx264 round trip at this CRF (None: no compression)
+    name: str = ""  # free label (evaluation reports)
+
+    @property
+    def family(self) -> str:
+        return self.background
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LEGACY = Style()
+
+
+def held_out_family(style: Style | None) -> bool:
+    """Whether a style belongs to the held-out style family: the "rings" background or the "xl"
+    object-size band (never drawn by ``sample_style(train=True)``)."""
+    return style is not None and (style.background in HELD_OUT_BACKGROUNDS or style.size_band in HELD_OUT_BANDS)
+
+
+def sample_style(seed: int, train: bool = True, held_out: bool = False) -> Style:
+    """A random rendering style, deterministic in `seed`. ``train=True`` never draws the held-out
+    family; ``held_out=True`` draws only it (its background, its size band, or both, a third of the
+    time each)."""
+    rng = np.random.default_rng([int(seed), 22, 4099])
+    bgs, bands = TRAIN_BACKGROUNDS, TRAIN_BANDS
+    if held_out:
+        case = int(rng.integers(0, 3))
+        bgs = HELD_OUT_BACKGROUNDS if case in (0, 2) else TRAIN_BACKGROUNDS
+        bands = HELD_OUT_BANDS if case in (1, 2) else TRAIN_BANDS
+    elif not train:
+        bgs, bands = TRAIN_BACKGROUNDS + HELD_OUT_BACKGROUNDS, TRAIN_BANDS + HELD_OUT_BANDS
+    bg = str(bgs[int(rng.integers(0, len(bgs)))])
+    tone = int(rng.integers(0, 3))  # dark, mid, light
+    level = float(rng.uniform(*[(15, 70), (70, 170), (170, 240)][tone]))
+    contrast = {"plain": 0.0, "noise": rng.uniform(3, 40), "gradient": rng.uniform(10, 90),
+                "stripes": rng.uniform(4, 60), "checker": rng.uniform(4, 70), "rings": rng.uniform(4, 60),
+                "legacy": 15.0}[bg]
+    scale = float(np.exp(rng.uniform(np.log(2.0), np.log(40.0))))
+    size_band = str(bands[int(rng.integers(0, len(bands)))])
+    speed = SPEED_BANDS[list(SPEED_BANDS)[int(rng.integers(0, len(SPEED_BANDS)))]]
+    h, w = FRAME_SIZES[int(rng.integers(0, len(FRAME_SIZES)))]
+    dis = DISTRACTORS[int(rng.integers(0, len(DISTRACTORS)))]
+    n_dis = int(rng.integers(1, 12)) if dis not in ("none", "legacy") else 0
+    bar = BARS[int(rng.choice(3, p=[0.35, 0.2, 0.45]))]
+    if rng.random() < 0.5:  # grey track and fill
+        t, f = sorted(rng.uniform(0, 255, 2))[:: 1 if rng.random() < 0.8 else -1]
+        bar_colours = ((t, t, t), (f, f, f))
+    else:  # coloured
+        bar_colours = (tuple(rng.uniform(0, 255, 3)), tuple(rng.uniform(0, 255, 3)))
+    bar_colours = tuple(tuple(int(round(c)) for c in col) for col in bar_colours)
+    return Style(
+        background=bg, level=level, contrast=float(contrast), scale=scale, tint=float(rng.uniform(0, 20)),
+        noise=float(rng.uniform(0, 6)), distractors=dis, n_distractors=n_dis, size_band=size_band,
+        speed=speed, height=h, width=w, obj_jitter=float(rng.uniform(0, 25)),
+        gain=tuple(float(g) for g in 1 + rng.uniform(-0.12, 0.12, 3)), brightness=float(rng.uniform(-20, 20)),
+        bar=bar, bar_space=bool(bar != "none" or rng.random() < 0.5), bar_h=int(rng.integers(2, 6)),
+        bar_colours=bar_colours, crf=None if rng.random() < 0.5 else int(rng.integers(18, 41)))
+
+
+def codec_roundtrip(frames: np.ndarray, crf: int, fps: int = 8) -> np.ndarray:
+    """Encode with libx264 (yuv420p, one thread) at `crf` and decode again, in memory: the
+    blocking, ringing and chroma bleeding of a compressed video. Deterministic (measured: the
+    default lookahead/mb-tree runs differed 5 times in 20 on one clip even with threads=1, so
+    tune=zerolatency, which turns them off); frames converted to yuv420p before the encoder, raw
+    h264 (no container metadata), single-threaded decoding."""
+    import io
+
+    import av
+
+    T, H, W, _ = frames.shape
+    x = np.pad(frames, ((0, 0), (0, H % 2), (0, W % 2), (0, 0)), mode="edge")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="h264") as out:
+        st = out.add_stream("libx264", rate=fps, options={
+            "crf": str(int(crf)), "preset": "veryfast", "tune": "zerolatency", "x264-params": "threads=1"})
+        st.width, st.height, st.pix_fmt = x.shape[2], x.shape[1], "yuv420p"
+        st.codec_context.thread_count = 1
+        st.codec_context.thread_type = "NONE"
+        for i, a in enumerate(x):
+            fr = av.VideoFrame.from_ndarray(np.ascontiguousarray(a), format="rgb24").reformat(format="yuv420p")
+            fr.pts = i
+            out.mux(st.encode(fr))
+        out.mux(st.encode())
+    buf.seek(0)
+    with av.open(buf, format="h264") as c:
+        vs = c.streams.video[0]
+        vs.thread_type = "NONE"
+        vs.codec_context.thread_count = 1
+        dec = [f.to_ndarray(format="rgb24") for f in c.decode(vs)]
+    return np.stack(dec)[:T, :H, :W]
 
 
 @dataclass
@@ -129,8 +270,9 @@ def _background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return img.astype(np.float32)
 
 
-def _path(rng, direction, size, length, w, h_usable, speed_range=(3.0, 4.5)):
-    """Start centre and per-frame velocity of a straight path of `length` frames inside the frame."""
+def _path(rng, direction, size, length, w, h_usable, speed_range=(3.0, 4.5), y_lo=0):
+    """Start centre and per-frame velocity of a straight path of `length` frames inside the frame
+    (rows y_lo .. y_lo + h_usable)."""
     margin = 2
     span_max = (w if direction in ("left", "right") else h_usable) - size - 2 * margin
     speed = rng.uniform(*speed_range)
@@ -146,12 +288,102 @@ def _path(rng, direction, size, length, w, h_usable, speed_range=(3.0, 4.5)):
         a0 = rng.uniform(lo, max(lo, hi))
         ax = a0 if dx > 0 else w - a0
         cy = rng.uniform(margin + half, h_usable - margin - half)
-        return (ax, cy), (dx * speed, 0.0)
+        return (ax, cy + y_lo), (dx * speed, 0.0)
     hi = h_usable - margin - half - travel
     a0 = rng.uniform(lo, max(lo, hi))
     ay = a0 if dy > 0 else h_usable - a0
     cx = rng.uniform(margin + half, w - margin - half)
-    return (cx, ay), (0.0, dy * speed)
+    return (cx, ay + y_lo), (0.0, dy * speed)
+
+
+def _styled_background(rng: np.random.Generator, st: Style, h: int, w: int) -> np.ndarray:
+    """Background of a non-legacy style: grey level + texture of its family + a small tint."""
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    c, sc, kind = st.contrast, max(1.0, st.scale), st.background
+    if kind == "plain":
+        tex = np.zeros((h, w), np.float32)
+    elif kind == "noise":  # value noise at the style's scale (2 px: nearly per-pixel)
+        gh, gw = max(2, int(round(h / sc)) + 1), max(2, int(round(w / sc)) + 1)
+        tex = _upsample(rng.uniform(-1, 1, size=(gh, gw)), h, w) * c
+    elif kind == "gradient":
+        ang = rng.uniform(0, 2 * np.pi)
+        t = xx * np.cos(ang) + yy * np.sin(ang)
+        tex = (2 * (t - t.min()) / max(1e-6, float(t.max() - t.min())) - 1) * c
+    elif kind == "stripes":
+        ang = rng.uniform(0, np.pi)
+        wave = np.sin((xx * np.cos(ang) + yy * np.sin(ang)) * 2 * np.pi / max(2.0, sc) + rng.uniform(0, 2 * np.pi))
+        tex = (np.sign(wave) if rng.random() < 0.5 else wave) * c
+    elif kind == "checker":
+        cell = max(1, int(round(sc)))
+        oy, ox = rng.integers(0, cell, size=2)
+        tex = ((((yy + oy) // cell) + ((xx + ox) // cell)) % 2 * 2 - 1) * c
+    elif kind == "rings":
+        cy, cx = rng.uniform(0, h), rng.uniform(0, w)
+        tex = np.sin(np.hypot(yy - cy, xx - cx) * 2 * np.pi / max(3.0, sc)) * c
+    else:
+        raise ValueError(f"unknown background {kind!r}")
+    tint = rng.uniform(-st.tint, st.tint, size=3) if st.tint > 0 else np.zeros(3)
+    return (st.level + tex[..., None] + tint[None, None, :]).astype(np.float32)
+
+
+def _draw_distractors(rng, frames, kind: str, n: int, y_lo: int, y_hi: int, k: float, long: bool) -> None:
+    """Neutral (grey) distractors drawn under the objects, never counted. `kind`: legacy (small
+    blobs and bars, moving slowly), dots, lines (static thin lines), grey_shapes (grey circles,
+    squares, triangles, crosses, smaller than the objects), specks (tiny dots, new places every
+    frame) or mixed; `k` scales sizes with the frame."""
+    T, H, W = frames.shape[:3]
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    if kind == "legacy":  # the original distractors (their count drawn here)
+        n = int(rng.integers(3, 7 if not long else 10))
+    for _ in range(n):
+        kd = DISTRACTORS[2 + int(rng.integers(0, 4))] if kind == "mixed" else kind
+        tone = rng.choice([rng.uniform(15, 50), rng.uniform(200, 245)])
+        if kd in ("legacy", "dots"):
+            r = rng.uniform(1.5, 3.5) * (k if kd == "dots" else 1.0)
+            bar = kd == "legacy" and rng.random() < 0.5
+            x, y = rng.uniform(4, W - 4), rng.uniform(y_lo + 4, y_hi - 4)
+            vx, vy = rng.uniform(-0.6, 0.6, size=2)
+            rr = int(np.ceil(r * 2.2)) + 1
+            for t in range(T):
+                cx, cy = x + vx * t, y + vy * t
+                x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
+                y0, y1 = max(y_lo, int(cy) - rr), min(y_hi, int(cy) + rr + 1)
+                if x1 <= x0 or y1 <= y0:
+                    continue
+                lx, ly = xx[y0:y1, x0:x1], yy[y0:y1, x0:x1]
+                if bar:
+                    m = (np.abs(lx - cx) <= r * 2.2) & (np.abs(ly - cy) <= r * 0.5)
+                else:
+                    m = (lx - cx) ** 2 + (ly - cy) ** 2 <= r * r
+                frames[t, y0:y1, x0:x1][m] = tone
+        elif kd == "lines":
+            ang = rng.uniform(0, np.pi)
+            px, py = rng.uniform(0, W), rng.uniform(y_lo, y_hi)
+            d = np.abs((xx - px) * np.sin(ang) - (yy - py) * np.cos(ang))
+            m = (d <= rng.uniform(0.5, 1.5) * k) & (yy >= y_lo) & (yy < y_hi)
+            frames[:, m] = tone
+        elif kd == "grey_shapes":
+            sh = SHAPES[int(rng.integers(0, len(SHAPES)))]
+            half = rng.uniform(3, 7) * k
+            x, y = rng.uniform(half, W - half), rng.uniform(y_lo + half, y_hi - half)
+            vx, vy = rng.uniform(-0.8, 0.8, size=2)
+            rr = int(np.ceil(half)) + 1
+            for t in range(T):
+                cx, cy = x + vx * t, y + vy * t
+                x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
+                y0, y1 = max(y_lo, int(cy) - rr), min(y_hi, int(cy) + rr + 1)
+                if x1 <= x0 or y1 <= y0:
+                    continue
+                m = shape_mask(sh, (xx[y0:y1, x0:x1] + 0.5 - cx) / half, (yy[y0:y1, x0:x1] + 0.5 - cy) / half)
+                frames[t, y0:y1, x0:x1][m] = tone
+        elif kd == "specks":
+            m = 4 + int(rng.integers(0, 12))
+            ts = np.repeat(np.arange(T), m)
+            ys = rng.integers(y_lo, y_hi, size=T * m)
+            xs = rng.integers(0, W, size=T * m)
+            frames[ts, ys, xs] = tone
+        else:
+            raise ValueError(f"unknown distractor kind {kd!r}")
 
 
 def _segment(rng, n_frames, phase, min_len, max_len):
@@ -171,6 +403,7 @@ def make_clip(
     n_objects: int | None = None,
     segment_first: bool = False,
     max_objects: int = 4,
+    style: Style | None = None,
 ) -> Clip:
     """Draw one clip.
 
@@ -178,11 +411,21 @@ def make_clip(
     segment inside one third of it. Long clips (> 32 frames): 2..max_objects objects, each visible
     only in a short segment (12..20 frames). ``segment_first`` forces object 0 to be a segment
     object (needed for "when" and "describe" questions). Colours and shapes are distinct within a
-    clip, so "the red object" or "the circle" always names exactly one object.
+    clip, so "the red object" or "the circle" always names exactly one object. ``style`` renders
+    it another way (`Style`; None: the original renderer, bit for bit).
     """
     rng = np.random.default_rng([int(seed), int(n_frames), int(size), 7919])
-    T, H, W = int(n_frames), int(size), int(size)
-    h_usable = H - BAR_H - 2
+    st = LEGACY if style is None else style
+    T = int(n_frames)
+    H, W = int(st.height or size), int(st.width or size)
+    k = min(H, W) / 96.0  # sizes and speeds are given for a 96-pixel side
+    if st.bar == "top":
+        y_lo, y_hi = st.bar_h + 2, H
+    elif st.bar == "bottom" or st.bar_space:
+        y_lo, y_hi = 0, H - st.bar_h - 2
+    else:
+        y_lo, y_hi = 0, H
+    h_usable = y_hi - y_lo
     long = T > SHORT_MAX
     if n_objects is None:
         n_objects = int(rng.integers(2 if long else 1, max_objects + 1))
@@ -190,54 +433,39 @@ def make_clip(
     colours = rng.permutation(COLOURS)[:n_objects]
     shapes = rng.permutation(SHAPES)[:n_objects]
 
-    bg = _background(rng, H, W)
+    bg = _background(rng, H, W) if st.background == "legacy" else _styled_background(rng, st, H, W)
     frames = np.repeat(bg[None], T, axis=0)
-    frames += rng.normal(0, 2.0, size=frames.shape).astype(np.float32)  # sensor noise
+    if st.noise > 0:
+        frames += rng.normal(0, st.noise, size=frames.shape).astype(np.float32)  # sensor noise
 
-    # distractors: small neutral blobs / bars, drawn under the objects, not counted
-    n_dis = int(rng.integers(3, 7 if not long else 10))
-    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
-    for _ in range(n_dis):
-        tone = rng.choice([rng.uniform(15, 50), rng.uniform(200, 245)])
-        r = rng.uniform(1.5, 3.5)
-        bar = rng.random() < 0.5
-        x, y = rng.uniform(4, W - 4), rng.uniform(4, h_usable - 4)
-        vx, vy = rng.uniform(-0.6, 0.6, size=2)
-        rr = int(np.ceil(r * 2.2)) + 1
-        for t in range(T):
-            cx, cy = x + vx * t, y + vy * t
-            x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
-            y0, y1 = max(0, int(cy) - rr), min(h_usable, int(cy) + rr + 1)
-            if x1 <= x0 or y1 <= y0:
-                continue
-            lx, ly = xx[y0:y1, x0:x1], yy[y0:y1, x0:x1]
-            if bar:
-                m = (np.abs(lx - cx) <= r * 2.2) & (np.abs(ly - cy) <= r * 0.5)
-            else:
-                m = (lx - cx) ** 2 + (ly - cy) ** 2 <= r * r
-            frames[t, y0:y1, x0:x1][m] = tone
+    # distractors: neutral, drawn under the objects, not counted
+    if st.distractors != "none":
+        _draw_distractors(rng, frames, st.distractors, st.n_distractors, y_lo, y_hi, k, long)
 
     # objects, with rejection so that objects never overlap
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    band = SIZE_BANDS[st.size_band]
+    size_range = band if k == 1.0 else (max(4, int(round(band[0] * k))), max(5, int(round(band[1] * k))))
+    speed_range = tuple(st.speed) if k == 1.0 else tuple(v * k for v in st.speed)
     idmap = np.full((T, H, W), -1, dtype=np.int8)
     objects: list[ToyObject] = []
-    occupied = np.full((T, 4), 0, dtype=np.float32)
     boxes_all: list[np.ndarray] = []
-    for k in range(n_objects):
+    for kk in range(n_objects):
         placed = None
         for _try in range(60):
-            sz = int(rng.integers(*OBJ_SIZE))
+            sz = int(rng.integers(*size_range))
             direction = DIRECTIONS[int(rng.integers(0, 4))]
             if long:
                 full = False
                 seg = _segment(rng, T, int(rng.integers(0, 3)), 12, MAX_SEG)
             else:
-                full = (not (segment_first and k == 0)) and T <= MAX_SEG and rng.random() < 0.5
+                full = (not (segment_first and kk == 0)) and T <= MAX_SEG and rng.random() < 0.5
                 if full:
                     seg = (0, T)
                 else:
                     seg = _segment(rng, T, int(rng.integers(0, 3)), 2, min(MAX_SEG, max(2, T // 3)))
             length = seg[1] - seg[0]
-            (c0x, c0y), (vx, vy) = _path(rng, direction, sz, length, W, h_usable)
+            (c0x, c0y), (vx, vy) = _path(rng, direction, sz, length, W, h_usable, speed_range, y_lo)
             cen = np.full((T, 2), np.nan, dtype=np.float32)
             ts = np.arange(seg[0], seg[1])
             cen[ts, 0] = c0x + vx * (ts - seg[0])
@@ -260,14 +488,15 @@ def make_clip(
         if placed is None:
             continue
         sz, direction, seg, cen, full = placed
-        colour, shape = str(colours[k]), str(shapes[k])
-        rgb = np.clip(np.array(RGB[colour], dtype=np.float32) + rng.uniform(-12, 12, size=3), 0, 255)
+        colour, shape = str(colours[kk]), str(shapes[kk])
+        jit = st.obj_jitter
+        rgb = np.clip(np.array(RGB[colour], dtype=np.float32) + rng.uniform(-jit, jit, size=3), 0, 255)
         boxes = np.full((T, 4), -1, dtype=np.int32)
         half = sz / 2.0
         for t in range(seg[0], seg[1]):
             cx, cy = cen[t]
             x0 = max(0, int(np.floor(cx - half)) - 1); x1 = min(W, int(np.ceil(cx + half)) + 1)
-            y0 = max(0, int(np.floor(cy - half)) - 1); y1 = min(h_usable, int(np.ceil(cy + half)) + 1)
+            y0 = max(y_lo, int(np.floor(cy - half)) - 1); y1 = min(y_hi, int(np.ceil(cy + half)) + 1)
             u = (xx[y0:y1, x0:x1] + 0.5 - cx) / half
             v = (yy[y0:y1, x0:x1] + 0.5 - cy) / half
             m = shape_mask(shape, u, v)
@@ -285,11 +514,21 @@ def make_clip(
             id=len(objects), colour=colour, shape=shape, direction=direction, size=sz,
             start=int(vis[0]), end=int(vis[-1]) + 1, boxes=boxes, full=full))
 
-    # progress bar (seek bar) along the bottom edge
-    for t in range(T):
-        frames[t, H - BAR_H:] = 35.0
-        fill = int(round((t + 1) / T * W))
-        frames[t, H - BAR_H:, :fill] = 215.0
+    # progress bar (seek bar) along the bottom (or top) edge
+    if st.bar != "none":
+        rows = slice(H - st.bar_h, H) if st.bar == "bottom" else slice(0, st.bar_h)
+        track, fill_c = st.bar_colours
+        grey = track[0] == track[1] == track[2] and fill_c[0] == fill_c[1] == fill_c[2]
+        for t in range(T):
+            frames[t, rows] = float(track[0]) if grey else np.asarray(track, np.float32)
+            fill = int(round((t + 1) / T * W))
+            frames[t, rows, :fill] = float(fill_c[0]) if grey else np.asarray(fill_c, np.float32)
+    if tuple(st.gain) != (1.0, 1.0, 1.0) or st.brightness:
+        frames = frames * np.asarray(st.gain, np.float32) + np.float32(st.brightness)
     frames = np.clip(np.rint(frames), 0, 255).astype(np.uint8)
-    return Clip(frames=frames, objects=objects, idmap=idmap, seed=int(seed),
-                meta={"n_frames": T, "size": size, "long": long})
+    if st.crf is not None:
+        frames = codec_roundtrip(frames, st.crf)
+    meta = {"n_frames": T, "size": size, "long": long}
+    if style is not None:
+        meta.update(style=st.to_dict(), held_out=held_out_family(st), height=H, width=W)
+    return Clip(frames=frames, objects=objects, idmap=idmap, seed=int(seed), meta=meta)

@@ -53,7 +53,13 @@ def _pad_time(a: np.ndarray, tp: int = 2) -> np.ndarray:
 def token_labels(clip: Clip, gt: int, mh: int, mw: int) -> np.ndarray:
     """Per merged visual token: colour+1, shape+1, direction+1 of the object under it (0 none), phase."""
     cell = PATCH * MERGE
-    idm = _pad_time(clip.idmap)[:, : mh * cell, : mw * cell]
+    idm = _pad_time(clip.idmap)
+    H, W = idm.shape[1:]
+    if (H, W) != (mh * cell, mw * cell):  # frames the preprocessing resizes (other sizes, aspect ratios)
+        ri = np.minimum(((np.arange(mh * cell) + 0.5) * H / (mh * cell)).astype(int), H - 1)
+        ci = np.minimum(((np.arange(mw * cell) + 0.5) * W / (mw * cell)).astype(int), W - 1)
+        idm = idm[:, ri][:, :, ci]
+    idm = idm[:, : mh * cell, : mw * cell]
     T = clip.n_frames
     n = gt * mh * mw
     out = np.zeros((n, 4), dtype=np.int64)
@@ -74,13 +80,18 @@ def target_cells(sample: Sample, gt: int, mh: int, mw: int) -> np.ndarray:
     """Bool per merged token: its cell intersects the asked object's box in one of its frames."""
     cell = PATCH * MERGE
     m = np.zeros((gt, mh, mw), dtype=bool)
-    T = sample.clip.n_frames
+    T, H, W = sample.clip.frames.shape[:3]
+    sy, sx = mh * cell / H, mw * cell / W  # frames the preprocessing resizes: boxes in its pixels
     for oid in sample.target_ids:
         boxes = sample.clip.obj(oid).boxes
         for f in range(T):
             x0, y0, x1, y1 = boxes[f]
             if x0 < 0:
                 continue
+            if (sy, sx) != (1.0, 1.0):
+                x0, x1 = int(x0 * sx), max(int(x0 * sx) + 1, int(np.ceil(x1 * sx)))
+                y0, y1 = int(y0 * sy), max(int(y0 * sy) + 1, int(np.ceil(y1 * sy)))
+                x1, y1 = min(x1, mw * cell), min(y1, mh * cell)
             m[f // 2, y0 // cell:(y1 - 1) // cell + 1, x0 // cell:(x1 - 1) // cell + 1] = True
     return m.reshape(-1)
 
