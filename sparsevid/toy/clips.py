@@ -326,6 +326,17 @@ def _styled_background(rng: np.random.Generator, st: Style, h: int, w: int) -> n
     return (st.level + tex[..., None] + tint[None, None, :]).astype(np.float32)
 
 
+
+def _windows(x, y, vx, vy, rr: int, T: int, W: int, y_lo: int, y_hi: int):
+    """For a distractor at (x, y) moving (vx, vy) per frame: (t, cx, cy, x0, x1, y0, y1) of each frame
+    whose window of half-size rr around the centre lies partly inside [0, W) x [y_lo, y_hi)."""
+    for t in range(T):
+        cx, cy = x + vx * t, y + vy * t
+        x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
+        y0, y1 = max(y_lo, int(cy) - rr), min(y_hi, int(cy) + rr + 1)
+        if x1 > x0 and y1 > y0:
+            yield t, cx, cy, x0, x1, y0, y1
+
 def _draw_distractors(rng, frames, kind: str, n: int, y_lo: int, y_hi: int, k: float, long: bool) -> None:
     """Neutral (grey) distractors drawn under the objects, never counted. `kind`: legacy (small
     blobs and bars, moving slowly), dots, lines (static thin lines), grey_shapes (grey circles,
@@ -343,13 +354,7 @@ def _draw_distractors(rng, frames, kind: str, n: int, y_lo: int, y_hi: int, k: f
             bar = kd == "legacy" and rng.random() < 0.5
             x, y = rng.uniform(4, W - 4), rng.uniform(y_lo + 4, y_hi - 4)
             vx, vy = rng.uniform(-0.6, 0.6, size=2)
-            rr = int(np.ceil(r * 2.2)) + 1
-            for t in range(T):
-                cx, cy = x + vx * t, y + vy * t
-                x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
-                y0, y1 = max(y_lo, int(cy) - rr), min(y_hi, int(cy) + rr + 1)
-                if x1 <= x0 or y1 <= y0:
-                    continue
+            for t, cx, cy, x0, x1, y0, y1 in _windows(x, y, vx, vy, int(np.ceil(r * 2.2)) + 1, T, W, y_lo, y_hi):
                 lx, ly = xx[y0:y1, x0:x1], yy[y0:y1, x0:x1]
                 if bar:
                     m = (np.abs(lx - cx) <= r * 2.2) & (np.abs(ly - cy) <= r * 0.5)
@@ -367,13 +372,7 @@ def _draw_distractors(rng, frames, kind: str, n: int, y_lo: int, y_hi: int, k: f
             half = rng.uniform(3, 7) * k
             x, y = rng.uniform(half, W - half), rng.uniform(y_lo + half, y_hi - half)
             vx, vy = rng.uniform(-0.8, 0.8, size=2)
-            rr = int(np.ceil(half)) + 1
-            for t in range(T):
-                cx, cy = x + vx * t, y + vy * t
-                x0, x1 = max(0, int(cx) - rr), min(W, int(cx) + rr + 1)
-                y0, y1 = max(y_lo, int(cy) - rr), min(y_hi, int(cy) + rr + 1)
-                if x1 <= x0 or y1 <= y0:
-                    continue
+            for t, cx, cy, x0, x1, y0, y1 in _windows(x, y, vx, vy, int(np.ceil(half)) + 1, T, W, y_lo, y_hi):
                 m = shape_mask(sh, (xx[y0:y1, x0:x1] + 0.5 - cx) / half, (yy[y0:y1, x0:x1] + 0.5 - cy) / half)
                 frames[t, y0:y1, x0:x1][m] = tone
         elif kd == "specks":
