@@ -22,7 +22,8 @@ from .runs import figures, run_method, warm_up
 from .tables import cell, markdown_table
 
 ROW_FIELDS = ("speedup", "acceptance", "tokens_per_round", "identical_to_dense", "kv_ratio", "predicted_speedup",
-              "e2e_speedup", "bound_speedup", "draft_step_cost", "verify_cost")
+              "e2e_speedup", "bound_speedup", "draft_step_cost", "verify_cost", "dense_step_ms", "draft_step_ms",
+              "verify_ms")
 # A direct policy's costs (`metrics.efficiency_pct`), each as % of dense in the same run
 COST_FIELDS = ("prefill_flops_pct", "prefill_wall_pct", "prefill_kv_pct", "decode_kv_pct", "peak_memory_pct",
                "latency_pct", "decode_flops_pct")

@@ -87,7 +87,9 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
             d["predicted_speedup"] = prompt.m / ((t.gamma * t.draft_entries + prompt.m) / (a * t.gamma))
         costs = step_costs(t, dense)
         if costs is not None and t.gamma:
-            d.update(draft_step_cost=costs[0], verify_cost=costs[1],
+            step_ms = 1e3 * statistics.median(dense.step_s)
+            d.update(dense_step_ms=step_ms, draft_step_ms=costs[0] * step_ms, verify_ms=costs[1] * step_ms,
+                     draft_step_cost=costs[0], verify_cost=costs[1],
                      bound_speedup=speculative_bound(a or 0.0, t.gamma, *costs),
                      bound_speedup_full_acceptance=speculative_bound(1.0, t.gamma, *costs))
     return d

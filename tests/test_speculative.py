@@ -107,6 +107,10 @@ def test_compare_reports_figures(inputs_for):
         assert 0 <= e["acceptance"] <= 1 and e["rounds"] >= 1 and e["tokens_per_round"] >= 1
         assert e["predicted_speedup"] is None if e["acceptance"] == 0 else e["predicted_speedup"] > 0
         assert e["gamma"] == 4 and traces[name].config["gamma"] == 4
+        # the run's own step costs, in ms and in dense steps, and the bound from them
+        assert e["dense_step_ms"] > 0 and e["draft_step_ms"] > 0 and e["verify_ms"] > 0
+        assert e["draft_step_cost"] == pytest.approx(e["draft_step_ms"] / e["dense_step_ms"])
+        assert e["bound_speedup"] > 0 and e["bound_speedup_full_acceptance"] >= e["bound_speedup"]
     # the draft's compact cache is extra memory held beside the full one; LayerSkip shares dense's
     assert traces["std"].kv_bytes > traces["dense"].kv_bytes
     assert traces["layerskip"].kv_bytes == traces["dense"].kv_bytes
