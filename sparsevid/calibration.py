@@ -15,6 +15,7 @@ CLI: `python -m sparsevid calibrate --model NAME_OR_DIR [--samples N] [--out FIL
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import new_run, prefill, step
+from .metrics import top_share
 from .models import ASSETS, EMBEDDED, Loaded, resolve
 
 OCR_IMAGE = "Provide all the OCR results of this image."
@@ -81,9 +83,7 @@ class HeadScores:
 
     def top_mass(self, frac: float = 0.05, kv: bool = False) -> float:
         """Share of the score mass held by the top `frac` of heads (query heads, or KV heads)."""
-        s = (self.scores if kv else self.head_scores).flatten()
-        n = max(1, math.ceil(frac * s.numel()))
-        return float(s.topk(n).values.sum() / s.sum())
+        return top_share((self.scores if kv else self.head_scores).numpy(), frac)
 
     def to_json(self) -> dict:
         meta = {k: v for k, v in self.meta.items() if k != "file"}
@@ -108,18 +108,24 @@ class HeadScores:
 
 
 def _fingerprint(folder: str) -> str:
-    """Short hash of a local model folder's weights (size, head and tail of each safetensors file)."""
+    """Short hash of a local model folder's weights (size, head and tail of each safetensors file),
+    computed once per folder state (the files' names, sizes and modification times)."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin")) or n == "config.json")
+    state = tuple((n, os.stat(os.path.join(folder, n)).st_size, os.stat(os.path.join(folder, n)).st_mtime_ns)
+                  for n in names)
+    return _hash_weights(folder, state)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_weights(folder: str, state: tuple) -> str:
     h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith((".safetensors", ".bin")) or name == "config.json":
-            path = os.path.join(folder, name)
-            size = os.path.getsize(path)
-            h.update(f"{name}:{size}".encode())
-            with open(path, "rb") as f:
-                h.update(f.read(1 << 20))
-                if size > 2 << 20:
-                    f.seek(-(1 << 20), os.SEEK_END)
-                    h.update(f.read())
+    for name, size, _ in state:
+        h.update(f"{name}:{size}".encode())
+        with open(os.path.join(folder, name), "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read())
     return h.hexdigest()[:12]
 
 

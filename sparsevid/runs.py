@@ -17,7 +17,7 @@ import torch
 from .adapters import VideoInputs
 from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, speculative_decode
 from .methods import METHODS, check_settings, configure, parse_methods
-from .metrics import efficiency_pct, ratios, top_share
+from .metrics import efficiency_pct, ratios
 from .models import Loaded
 from .traces import ModelShape, PromptInfo, Trace
 
@@ -70,7 +70,7 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
         trace.head_scores = dict(score_map=hs.head_scores.numpy(), kv_scores=hs.scores.numpy(),
                                  caps=config.caps.numpy() if config.caps is not None else None,
                                  file=hs.meta.get("file") or "uniform (no calibration file)",
-                                 uniform=bool(hs.meta.get("uniform")), top5_mass=top_share(hs.head_scores.numpy()))
+                                 uniform=bool(hs.meta.get("uniform")), top5_mass=hs.top_mass())
     return trace
 
 
