@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .engine import Sampling
+from .errors import InputError
 from .methods import check_settings, parse_methods
 from .models import load_model
 from .runs import figures, run_method, warm_up
@@ -36,7 +37,10 @@ def add_arguments(p) -> None:
     p.add_argument("--question", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clips", type=int, default=0, help="held-out toy questions per frame count (accuracy and "
-                   "medians over them; default: one synthetic 'describe' clip)")
+                   "medians over them; default: one synthetic narration clip)")
+    p.add_argument("--types", default="narrate", help="for --clips: comma list of toy question types (narrate, "
+                   "colour, shape, direction, count, when, describe); narrations give the decode phase the most "
+                   "tokens")
     p.add_argument("--shape", default=None, help="mechanical benchmark at a real model's shape, e.g. qwen2-vl-7b")
     p.add_argument("--visual-tokens", default="4096,16384,32768", help="for --shape")
     p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
@@ -50,17 +54,23 @@ def bench_clip(frames: int, video: str | None, question: str | None):
         from .video import load_video
 
         return load_video(video, frames).frames, question or "Describe the video.", None
-    from .toy.questions import make_sample
+    from .toy.questions import NARRATE, make_sample
 
-    s = make_sample(seed=10_000 + frames, n_frames=frames, qtype="describe")
+    s = make_sample(seed=10_000 + frames, n_frames=frames, qtype=NARRATE)
     return s.clip.frames, question or s.question, s.answer
 
 
-def toy_clips(n: int, frames: int) -> list:
-    """n held-out toy questions with `frames` frames (as `toy eval` draws them): (frames, question, answer)."""
+def toy_clips(n: int, frames: int, types: str = "narrate") -> list:
+    """n held-out toy questions with `frames` frames (as `toy eval` draws them), their types cycling
+    over the comma list `types`: (frames, question, answer)."""
     from .toy.evaluate import eval_samples
+    from .toy.questions import NARRATE, QTYPES
 
-    return [(s.clip.frames, s.question, s.answer) for s in eval_samples(n, frames)]
+    qtypes = [t.strip() for t in types.split(",") if t.strip()]
+    unknown = [t for t in qtypes if t not in (*QTYPES, NARRATE)]
+    if unknown or not qtypes:
+        raise InputError(f"Unknown question type(s) {unknown or types!r}; known: {', '.join((NARRATE, *QTYPES))}.")
+    return [(s.clip.frames, s.question, s.answer) for s in eval_samples(n, frames, qtypes=qtypes)]
 
 
 def _correct(trace, answer) -> bool | None:
@@ -101,7 +111,7 @@ def bench_main(args) -> int:
                file=sys.stderr)
     try:
         for F in frame_counts:
-            clips = toy_clips(args.clips, F) if args.clips else [bench_clip(F, args.video, args.question)]
+            clips = toy_clips(args.clips, F, args.types) if args.clips else [bench_clip(F, args.video, args.question)]
             per = {name: [] for name in names}
             correct = {name: [] for name in ["dense"] + names}
             for frames, question, answer in clips:
@@ -185,8 +195,6 @@ def mechanical(args) -> int:
     from .models import pick_device
 
     if args.shape not in SHAPES:
-        from .errors import InputError
-
         raise InputError(f"Unknown shape '{args.shape}'; known: {', '.join(SHAPES)}.")
     dev, dtype = pick_device(args.device, args.dtype)
     shape = dict(SHAPES[args.shape])

@@ -29,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_method_args(p: argparse.ArgumentParser, methods_default: str = "dense") -> None:
     p.add_argument("--methods", default=methods_default, help=f"comma list of: {', '.join(METHODS)}")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="answer tokens at most (a narration of the "
+                   "embedded model: up to ~70)")
     add_arguments(p.add_argument_group("method settings (blank/absent: each method's default)"), all_options())
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

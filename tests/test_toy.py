@@ -510,6 +510,41 @@ def test_narration_answers_and_scores():
     assert sc["objects"] == 0 and sc["count_ok"] and sc["n_pred"] == 2
 
 
+def test_narration_grounding_by_sentence():
+    """Training grounds the rows writing each narration sentence on that sentence's object (the
+    count sentence on every object), and a one-object answer on its object as before."""
+    from dataclasses import replace
+
+    import torch
+
+    from sparsevid.toy.data import encode_many, target_cells
+    from sparsevid.toy.questions import NARRATE, corpus, narration_order
+    from sparsevid.toy.tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from sparsevid.toy.train import grounding_items
+    from transformers import PreTrainedTokenizerFast
+
+    tok_obj = train_tokenizer(corpus(narration=True))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok_obj, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    special = {t: tok_obj.token_to_id(t) for t in SPECIAL_TOKENS}
+    s = next(x for x in (make_sample(seed, 16, NARRATE) for seed in range(50)) if len(x.clip.objects) >= 3)
+    e = encode_many([s], tok, special)
+    q = e.questions[0]
+    items = grounding_items([e])
+    objs = narration_order(s.clip)
+    assert len(items) == 1 + len(objs)
+    rows = torch.cat([it.rows for it in items])
+    assert rows.tolist() == list(range(q.prompt_len - 3, q.end - 1))  # every answer row, once, in order
+    gt, mh, mw = (int(v) for v in e.grid_thw[0]); mh, mw = mh // 2, mw // 2
+    for it, o in zip(items[1:], objs):
+        text = tok.decode([e.input_ids[r + 1] for r in it.rows])
+        assert f"{o.colour} {o.shape}" in text, text
+        assert torch.equal(it.target, torch.from_numpy(target_cells(replace(s, obj_id=o.id), gt, mh, mw)))
+    assert items[0].target.sum() >= max(int(it.target.sum()) for it in items[1:])  # the count sentence: all
+    one = encode_many([make_sample(3, 16, "describe")], tok, special)
+    [it] = grounding_items([one])
+    assert it.rows.tolist() == list(range(one.questions[0].prompt_len - 3, one.questions[0].end - 1))
+
+
 def test_degenerate_answer_detector():
     from sparsevid.toy.questions import repeats_3gram_3x
 

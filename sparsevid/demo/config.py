@@ -28,7 +28,7 @@ MAX_UPLOAD_MB = int(os.environ.get("SPARSEVID_MAX_UPLOAD_MB", 200))
 MAX_MINUTES = float(os.environ.get("SPARSEVID_MAX_MINUTES", 10))
 MAX_QUESTION_CHARS = 500
 FRAMES = dict(minimum=2, maximum=256, value=16, step=2)  # 256: the bundled long clip's length
-MAX_NEW_TOKENS = dict(minimum=1, maximum=256, value=32, step=1)
+MAX_NEW_TOKENS = dict(minimum=1, maximum=256, value=96, step=1)  # a narration: up to ~70
 VIDEO_TYPES = [".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif"]
 EXAMPLES_DIR = os.environ.get("SPARSEVID_EXAMPLES_DIR") or os.path.join(ASSETS, "examples")
 

@@ -1,4 +1,5 @@
-"""The embedded model's scope: the question forms it was trained on (`toy.questions.TEMPLATES`),
+"""The embedded model's scope: the question forms it was trained on (`toy.questions.TEMPLATES`, and
+the narrations first),
 a matcher for them, and the note shown when a question falls outside them.
 
 The matcher is a regex built from the templates themselves, over `questions.normalise`d text (lower
@@ -15,10 +16,11 @@ import re
 
 from ..models import EMBEDDED, EMBEDDED_NAME
 from ..toy.clips import COLOURS, SHAPES
-from ..toy.questions import TEMPLATES, normalise
+from ..toy.questions import NARRATE, NARRATE_TEMPLATES, TEMPLATES, normalise
 
 # A concrete question per template, in the order of `TEMPLATES` (the question box's suggestions).
 _REF_EXAMPLE = {"colour": "the circle", "shape": "the red object"}
+FORMS = {NARRATE: NARRATE_TEMPLATES, **TEMPLATES}  # narrations first: the answers worth decoding fast
 
 
 def _refs(qtype: str) -> str:
@@ -33,7 +35,7 @@ def _refs(qtype: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _patterns() -> dict[str, re.Pattern]:
     out = {}
-    for qtype, forms in TEMPLATES.items():
+    for qtype, forms in FORMS.items():
         alts = []
         for t in forms:
             head, _, tail = normalise(t.replace("{ref}", " REFX ")).partition("refx")
@@ -53,7 +55,7 @@ def question_type(question: str) -> str | None:
 def question_forms() -> list[str]:
     """One concrete question per template, e.g. "What colour is the circle?", "Describe the red square."."""
     out = []
-    for qtype, forms in TEMPLATES.items():
+    for qtype, forms in FORMS.items():
         for t in forms:
             out.append(t.format(ref=_REF_EXAMPLE.get(qtype, "the red square")))
     return out
@@ -62,7 +64,7 @@ def question_forms() -> list[str]:
 def display_forms() -> list[str]:
     """Every template with its reference spelled as training used it ("What colour is the {shape}?")."""
     ref = {"colour": "the {shape}", "shape": "the {colour} object"}
-    return [t.replace("{ref}", ref.get(q, "{ref}")) for q, forms in TEMPLATES.items() for t in forms]
+    return [t.replace("{ref}", ref.get(q, "{ref}")) for q, forms in FORMS.items() for t in forms]
 
 
 def is_embedded(model: str | None) -> bool:

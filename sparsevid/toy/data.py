@@ -1,7 +1,8 @@
 """Turn toy samples into model inputs plus the training-only targets (per-token labels, grounding)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from .clips import COLOURS, DIRECTIONS, PHASES, SHAPES, Clip, phase_of
 from .model import MERGE, PATCH, preprocess_frames, prompt_ids
-from .questions import Sample
+from .questions import NARRATE, Sample, narration_order
 
 MIN_COVER = 20  # pixels of an object (over the 2 frames of a token) for the token to carry its label
 
@@ -24,6 +25,9 @@ class Question:
     target: np.ndarray  # [n_visual] bool: token's cell touches the asked object's box
     readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
     names: list  # rows of the question's words that name the asked object (its colour, its shape)
+    # a narration's sentences: (first answer row, end row, target cells) each, so that the rows
+    # writing a sentence are grounded on that sentence's object (the count sentence: on all of them)
+    parts: list = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +120,24 @@ def name_ids(tok) -> frozenset:
     return frozenset(tok.encode(" " + w, add_special_tokens=False)[0] for w in COLOURS + SHAPES)
 
 
+def answer_ids(sample: Sample, tok, gt: int, mh: int, mw: int) -> tuple:
+    """The answer's token ids, and for a narration each sentence's token span [a, b) in them with
+    the target cells of the object it tells of (the count sentence: every object)."""
+    ids = tok.encode(sample.answer, add_special_tokens=False)
+    if sample.qtype != NARRATE:
+        return ids, []
+    sents = re.split(r"(?<=\.) ", sample.answer)
+    objs = [None] + [o.id for o in narration_order(sample.clip)]
+    pieces = [tok.encode(x if i == 0 else " " + x, add_special_tokens=False) for i, x in enumerate(sents)]
+    if len(sents) != len(objs) or sum(pieces, []) != ids:  # not a sentence per object: ground it whole
+        return ids, []
+    spans, a = [], 0
+    for piece, oid in zip(pieces, objs):
+        spans.append((a, a + len(piece), target_cells(replace(sample, obj_id=oid), gt, mh, mw)))
+        a += len(piece)
+    return ids, spans
+
+
 def encode(sample: Sample, tok, special: dict, with_answer: bool = True) -> Encoded:
     """One question about its clip: the plain chat prompt (and the answer, for training)."""
     return encode_many([sample], tok, special, with_answer)
@@ -140,12 +162,15 @@ def encode_many(samples: list, tok, special: dict, with_answer: bool = True) -> 
         labels += [-100] * (len(ids) - start)
         plen = len(ids)
         named = [i for i in range(start, plen) if ids[i] in names]
+        parts = []
         if with_answer:
-            ans = tok.encode(s.answer, add_special_tokens=False) + [special["<|im_end|>"]]
+            ans, spans = answer_ids(s, tok, gt, mh, mw)
+            ans = ans + [special["<|im_end|>"]]
+            parts = [(plen + a, plen + b, tgt) for a, b, tgt in spans]
             ids += ans
             labels += ans
         questions.append(Question(start, plen, len(ids), target_cells(s, gt, mh, mw), readout_labels(s),
-                                  named))
+                                  named, parts))
     return Encoded(ids, labels, pv, thw, vs, nv, token_labels(samples[0].clip, gt, mh, mw), questions)
 
 

@@ -11,8 +11,11 @@ from .clips import SHORT_MAX
 from .questions import make_sample
 
 EXAMPLE_SEED_BASE = 2_000_000_000
-# (name, frames, question type, fps)
+# (name, frames, question type, fps); narrations first: the app's first example shows several
+# speculative rounds, each with accepted and rejected draft tokens
 EXAMPLES = [
+    ("toy_narrate", 64, "narrate", 8),
+    ("toy_long_narrate", 256, "narrate", 16),
     ("toy_colour", 16, "colour", 8),
     ("toy_direction", 16, "direction", 8),
     ("toy_count", 16, "count", 8),
@@ -72,11 +75,11 @@ class _Answerer:
 
         self.tok, self.model, self.special = load_toy(model_dir, attn="sdpa")
 
-    def __call__(self, frames: np.ndarray, question: str, max_new_tokens: int = 24) -> str:
+    def __call__(self, frames: np.ndarray, question: str, max_new_tokens: int = 128) -> str:
         return answer(self.model, self.tok, self.special, frames, question, max_new_tokens)
 
 
-def answer(model, tok, special, frames: np.ndarray, question: str, max_new_tokens: int = 24) -> str:
+def answer(model, tok, special, frames: np.ndarray, question: str, max_new_tokens: int = 128) -> str:
     import torch
 
     from .model import preprocess_frames, prompt_ids

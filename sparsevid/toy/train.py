@@ -338,9 +338,15 @@ def grounding_items(encs) -> list:
     out = []
     for b, e in enumerate(encs):
         for q in e.questions:
-            tgt = torch.from_numpy(q.target)
-            out.append(GroundItem(b, torch.arange(q.prompt_len - 3, q.end - 1), e.vis_start, e.n_visual,
-                                  tgt if tgt.any() else None, torch.tensor(q.names, dtype=torch.long)))
+            names = torch.tensor(q.names, dtype=torch.long)
+            # the rows predicting an answer's tokens (from two rows before it); a narration's by sentence
+            spans = [(a, z, t) for a, z, t in q.parts[:-1]] + [(q.parts[-1][0], q.end, q.parts[-1][2])] \
+                if q.parts else [(q.prompt_len, q.end, q.target)]  # the last span ends after <|im_end|>
+            for k, (a, z, t) in enumerate(spans):
+                tgt = torch.from_numpy(t)
+                rows = torch.arange(a - (3 if k == 0 else 1), z - 1)
+                out.append(GroundItem(b, rows, e.vis_start, e.n_visual, tgt if tgt.any() else None,
+                                      names if k == 0 else names[:0]))
     return out
 
 
