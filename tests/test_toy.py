@@ -606,3 +606,20 @@ def test_training_runs_with_random_styles_and_narration(tmp_path):
     assert len(sizes) > 1  # frames of several sizes
     info = train(cfg, str(tmp_path / "m"), progress=False)
     assert np.isfinite(info["final_loss"]["lm"])
+
+
+def test_shipped_model_narrates_and_ends_cleanly_on_any_rendering():
+    """Held-out clips in random styles, in the held-out style family and without a progress bar:
+    every answer ends with end-of-text, none loops, and most narration sentences are right."""
+    _shipped()
+    from sparsevid.toy.evaluate import evaluate_styles
+    from sparsevid.toy.questions import NARRATE
+
+    res = evaluate_styles(DEFAULT_MODEL_DIR, styles=("random", "held-out", "no-bar"), n=8, frames=[16],
+                          qtypes=[NARRATE, "colour", "when", "describe"], threads=1, progress=False)
+    for st, r in res.items():
+        d = r["degenerate"]
+        assert d["n"] == 8 and d["loops"] == 0 and d["no_end"] == 0, (st, r["loops"], r["errors"])
+        assert r["narration"]["n"] == 2 and r["narration"]["count_ok"] > 0, st
+    assert sum(r["narration"]["sentences"] for r in res.values()) / len(res) >= 0.6
+    assert sum(r["accuracy"]["dense"]["overall"] for r in res.values()) / len(res) >= 0.6

@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     tr.add_argument("--randomise", action="store_true",
                     help="issue 22: random clip styles (never the held-out family), frame counts of every "
                          "size and narration questions (train.RANDOMISED; --style-prob/--narration-prob override)")
+    tr.add_argument("--finetune", default=None, metavar="FOLDER",
+                    help="issue 22's shipped recipe: fine-tune the model in FOLDER (the default recipe's output) "
+                         "on the randomised data (train.FINETUNE: no stage 1, 4100 answer steps)")
     tr.add_argument("--style-prob", type=float, default=None,
                     help="share of training clips in a random style (default 0; --randomise: 0.8)")
     tr.add_argument("--narration-prob", type=float, default=None,
@@ -67,13 +70,15 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import RANDOMISED, TINY, TWO_PASS, TrainConfig, train
+        from .train import FINETUNE, RANDOMISED, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
             cfg = replace(cfg, **TWO_PASS)
         if a.randomise:
             cfg = replace(cfg, **RANDOMISED)
+        if a.finetune:
+            cfg = replace(cfg, **FINETUNE, init_from=a.finetune)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:

@@ -102,6 +102,8 @@ class TrainConfig:
     # never the held-out family); the rest use the original renderer
     narration_prob: float = 0.0  # share of answer-training questions that ask for a narration (and the
     # tokenizer learns the narration words)
+    init_from: str = ""  # fine-tune: start from this checkpoint's weights (a folder) instead of a fresh
+    # model; the tokenizer is this config's, and embedding / LM-head rows move over by token string
 
 
 # The two-pass recipe: stage 1, a full-length tower pass through the first 2 layers of the language
@@ -114,6 +116,11 @@ TWO_PASS = dict(tower_steps=(3300, 1600, 1200), tower_layers=2, stage2_steps=170
 # frame counts of every size, narration questions on 15 % of the answer steps
 RANDOMISED = dict(style_prob=0.8, narration_prob=0.15, short_frames=(6, 8, 10, 12, 16, 20, 24, 32),
                   short_probs=(0.1, 0.2, 0.1, 0.15, 0.2, 0.1, 0.08, 0.07), long_frames=(40, 48, 64, 96, 128, 160, 192, 256))
+# Issue 22's fine-tune (the shipped recipe for the randomised model): the shipped model's weights,
+# the RANDOMISED data, no stage 1 (the tower keeps its training and adapts in stages 2-4 under the
+# auxiliary loss), a lower peak learning rate, fewer single-object clips early; 4100 steps.
+FINETUNE = dict(RANDOMISED, stage1_steps=0, stage2_steps=2000, stage3_steps=1300, stage4_steps=800, lr=1e-3,
+                single_start=0.3)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
 
@@ -190,6 +197,38 @@ def build_tokenizer_and_model(cfg: TrainConfig):
                     lin.weight.zero_()
                     lin.bias.zero_()
     return tok_obj, tok, special, model
+
+
+def init_from_checkpoint(model, tok, folder: str) -> dict:
+    """Load `folder`'s weights into `model` (same sizes; the vocabulary may differ): every tensor but
+    the token embeddings and LM head as is; an embedding / LM-head row of a token whose string the
+    old tokenizer has is copied, any other row is the mean of the old rows of the pieces the old
+    tokenizer splits the string into. -> counts of rows copied and composed."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    old = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
+    old_tok = AutoTokenizer.from_pretrained(folder)
+    old_vocab = old_tok.get_vocab()
+    emb_key = next(k for k in old if k.endswith("embed_tokens.weight"))
+    state = model.state_dict()
+    missing = [k for k in state if k not in old]
+    if missing:
+        raise ValueError(f"{folder} lacks {missing[:3]}: not the same architecture")
+    new_emb, new_head = state[emb_key].clone(), state["lm_head.weight"].clone()
+    counts = {"copied": 0, "composed": 0}
+    for text, i in tok.get_vocab().items():
+        if text in old_vocab:
+            j = [old_vocab[text]]
+            counts["copied"] += 1
+        else:
+            j = old_tok.convert_tokens_to_ids(old_tok.tokenize(old_tok.convert_tokens_to_string([text])))
+            counts["composed"] += 1
+        new_emb[i] = old[emb_key][j].mean(0)
+        new_head[i] = old["lm_head.weight"][j].mean(0)
+    old = {k: v for k, v in old.items() if k in state}
+    old[emb_key], old["lm_head.weight"] = new_emb, new_head
+    model.load_state_dict(old)
+    return counts
 
 
 def _batch_spec(rng, cfg: TrainConfig, stage: int, frac: float):
@@ -423,6 +462,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quiet in the data worker (a fork)
     t0 = time.time()
     tok_obj, tok, special, model = build_tokenizer_and_model(cfg)
+    if cfg.init_from:
+        print(f"initialised from {cfg.init_from}: {init_from_checkpoint(model, tok, cfg.init_from)}", flush=True)
     aux = AuxHeads(cfg.hidden)
     model.train()
     grab = {}
