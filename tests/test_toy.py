@@ -623,3 +623,27 @@ def test_shipped_model_narrates_and_ends_cleanly_on_any_rendering():
         assert r["narration"]["n"] == 2 and r["narration"]["count_ok"] > 0, st
     assert sum(r["narration"]["sentences"] for r in res.values()) / len(res) >= 0.6
     assert sum(r["accuracy"]["dense"]["overall"] for r in res.values()) / len(res) >= 0.6
+
+
+@pytest.mark.parametrize("narration", [False, True])
+def test_finetune_starts_from_the_checkpoint_with_rows_moved_by_token_string(narration):
+    _shipped()
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from sparsevid.toy.train import TrainConfig, build_tokenizer_and_model, init_from_checkpoint
+
+    _, tok, _, model = build_tokenizer_and_model(TrainConfig(narration_prob=0.15 if narration else 0.0))
+    counts = init_from_checkpoint(model, tok, DEFAULT_MODEL_DIR)
+    old = Qwen2VLForConditionalGeneration.from_pretrained(DEFAULT_MODEL_DIR).state_dict()
+    old_vocab = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR).get_vocab()
+    new = model.state_dict()
+    assert counts["copied"] + counts["composed"] == len(tok.get_vocab()) and counts["copied"] > 400
+    for k in new:
+        if "embed_tokens" not in k and k != "lm_head.weight":
+            assert torch.equal(new[k], old[k]), k
+    emb = next(k for k in new if k.endswith("embed_tokens.weight"))
+    for text, i in list(tok.get_vocab().items())[:200]:
+        if text in old_vocab:
+            assert torch.equal(new[emb][i], old[emb][old_vocab[text]]) and \
+                torch.equal(new["lm_head.weight"][i], old["lm_head.weight"][old_vocab[text]])
