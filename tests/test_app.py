@@ -570,6 +570,7 @@ def test_compare_endpoint_readme_snippet_matches_run_json(app, capsys):
     video = re.search(r'handle_file\("([^"]+)"\)', code).group(1)
     question = re.search(r'question="([^"]+)"', code).group(1)
     frames = re.search(r"frames=(\d+)", code).group(1)
+    new_tokens = re.search(r"max_new_tokens=(\d+)", code).group(1)
     scope: dict = {}
     cwd = os.getcwd()
     os.chdir(ROOT)  # the snippet's video path is relative to the repository
@@ -579,7 +580,7 @@ def test_compare_endpoint_readme_snippet_matches_run_json(app, capsys):
         os.chdir(cwd)
     api = scope["result"]
     cli = _cli_json(["run", os.path.join(ROOT, video), question, "--model", app["model"], "--methods",
-                     "dense,std,layerskip", "--frames", frames, "--max-new-tokens", "24", "--k", "0.25", "--json",
+                     "dense,std,layerskip", "--frames", frames, "--max-new-tokens", new_tokens, "--k", "0.25", "--json",
                      "--quiet"])
     assert set(api) - {"note"} == set(cli) and set(api["methods"]) == set(cli["methods"])
     for n, m in cli["methods"].items():

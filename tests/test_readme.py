@@ -1,6 +1,7 @@
 """The README's promises: its hand-written sections exist, its library snippet runs, and every
 command it lists answers --help."""
 
+import json
 import os
 import re
 import subprocess
@@ -30,7 +31,9 @@ def test_readme_library_snippet_runs_and_stays_lossless():
                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE"))
     assert out.returncode == 0, out.stderr[-2000:]
     text, identical, acceptance = out.stdout.strip().rsplit(" ", 2)
-    assert text == "The red square moves to the top in the middle of the video."
+    with open(os.path.join(ROOT, "assets", "examples", "examples.json")) as f:
+        narration = next(e for e in json.load(f) if e["file"] == "toy_narrate.mp4")
+    assert text == narration["answer"] and len(text.split()) > 15  # the bundled narration, exactly
     assert identical == "True" and 0 < float(acceptance) <= 1
 
 

@@ -14,11 +14,12 @@ TOY_EVAL_SEED = 2_100_000_000
 def make_toy_eval_set(n: int, out: str, frames=(16,), seed: int | None = None) -> str:
     """Write n toy clips (mp4) with questions, reference answers and boxes, and out/manifest.jsonl.
 
-    Item i: seed `seed + i`, question type cycling over all types, length cycling over `frames`.
+    Item i: seed `seed + i`, question type cycling over all types (narrations first: one item in
+    seven), length cycling over `frames`.
     The default seeds (2.1e9..) are disjoint from the other toy seed ranges (training, validation, toy eval, examples).
     """
     from ..video import write_video
-    from .questions import QTYPES, make_sample
+    from .questions import NARRATE, QTYPES, make_sample
 
     seed = TOY_EVAL_SEED if seed is None else seed
 
@@ -26,7 +27,8 @@ def make_toy_eval_set(n: int, out: str, frames=(16,), seed: int | None = None) -
     lines = []
     for i in range(n):
         F = frames[i % len(frames)]
-        s = make_sample(seed + i, F, QTYPES[i % len(QTYPES)])
+        qtypes = [NARRATE] + QTYPES
+        s = make_sample(seed + i, F, qtypes[i % len(qtypes)])
         video = f"clips/toy-{i:04d}.mp4"
         write_video(os.path.join(out, video), s.clip.frames)
         lines.append(dict(id=f"toy-{i:04d}", video=video, question=s.question, answer=s.answer,
