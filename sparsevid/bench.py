@@ -64,12 +64,12 @@ def toy_clips(n: int, frames: int, types: str = "narrate") -> list:
     """n held-out toy questions with `frames` frames (as `toy eval` draws them), their types cycling
     over the comma list `types`: (frames, question, answer)."""
     from .toy.evaluate import eval_samples
-    from .toy.questions import NARRATE, QTYPES
+    from .toy.questions import ALL_QTYPES
 
     qtypes = [t.strip() for t in types.split(",") if t.strip()]
-    unknown = [t for t in qtypes if t not in (*QTYPES, NARRATE)]
+    unknown = [t for t in qtypes if t not in ALL_QTYPES]
     if unknown or not qtypes:
-        raise InputError(f"Unknown question type(s) {unknown or types!r}; known: {', '.join((NARRATE, *QTYPES))}.")
+        raise InputError(f"Unknown question type(s) {unknown or types!r}; known: {', '.join(ALL_QTYPES)}.")
     return [(s.clip.frames, s.question, s.answer) for s in eval_samples(n, frames, qtypes=qtypes)]
 
 

@@ -26,7 +26,8 @@ class Question:
     readout: np.ndarray  # [4]: colour+1, shape+1, direction+1, phase of the asked object (-100: none)
     names: list  # rows of the question's words that name the asked object (its colour, its shape)
     # a narration's sentences: (first answer row, end row, target cells) each, so that the rows
-    # writing a sentence are grounded on that sentence's object (the count sentence: on all of them)
+    # writing a sentence are grounded on that sentence's object (the count sentence: on all of them);
+    # the last one ends with <|im_end|>, at `end`
     parts: list = field(default_factory=list)
 
 
@@ -166,9 +167,10 @@ def encode_many(samples: list, tok, special: dict, with_answer: bool = True) -> 
         if with_answer:
             ans, spans = answer_ids(s, tok, gt, mh, mw)
             ans = ans + [special["<|im_end|>"]]
-            parts = [(plen + a, plen + b, tgt) for a, b, tgt in spans]
             ids += ans
             labels += ans
+            parts = [(plen + a, plen + b if k < len(spans) - 1 else len(ids), tgt)
+                     for k, (a, b, tgt) in enumerate(spans)]
         questions.append(Question(start, plen, len(ids), target_cells(s, gt, mh, mw), readout_labels(s),
                                   named, parts))
     return Encoded(ids, labels, pv, thw, vs, nv, token_labels(samples[0].clip, gt, mh, mw), questions)

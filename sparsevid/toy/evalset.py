@@ -25,9 +25,9 @@ def make_toy_eval_set(n: int, out: str, frames=(16,), seed: int | None = None) -
 
     os.makedirs(os.path.join(out, "clips"), exist_ok=True)
     lines = []
+    qtypes = [NARRATE] + QTYPES
     for i in range(n):
         F = frames[i % len(frames)]
-        qtypes = [NARRATE] + QTYPES
         s = make_sample(seed + i, F, qtypes[i % len(qtypes)])
         video = f"clips/toy-{i:04d}.mp4"
         write_video(os.path.join(out, video), s.clip.frames)

@@ -373,15 +373,13 @@ class GroundItem(NamedTuple):
 
 
 def grounding_items(encs) -> list:
-    """A `GroundItem` per question of the encoded batch `encs`."""
+    """A `GroundItem` per question of the encoded batch `encs` (a narration: one per sentence)."""
     out = []
     for b, e in enumerate(encs):
         for q in e.questions:
             names = torch.tensor(q.names, dtype=torch.long)
             # the rows predicting an answer's tokens (from two rows before it); a narration's by sentence
-            spans = [(a, z, t) for a, z, t in q.parts[:-1]] + [(q.parts[-1][0], q.end, q.parts[-1][2])] \
-                if q.parts else [(q.prompt_len, q.end, q.target)]  # the last span ends after <|im_end|>
-            for k, (a, z, t) in enumerate(spans):
+            for k, (a, z, t) in enumerate(q.parts or [(q.prompt_len, q.end, q.target)]):
                 tgt = torch.from_numpy(t)
                 rows = torch.arange(a - (3 if k == 0 else 1), z - 1)
                 out.append(GroundItem(b, rows, e.vis_start, e.n_visual, tgt if tgt.any() else None,
