@@ -6,6 +6,9 @@ FROM python:3.11-slim
 # machine: docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
+# g++: torch.compile's CPU backend (inductor) builds the compiled decode steps with it; without it the
+# app runs eager (and says so).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd -m -u 1000 user
 USER user
 ENV HOME=/home/user \

@@ -8,7 +8,9 @@ Inside `active(run)`, the language model's attention layers call `sparsevid_atte
   `LayerSelection`, and gathers the layer's compact `SparseKV` right away; a selection that routes
   the prefill (HT-Sparse used directly) is applied to the layer's whole prefill attention
   (`routing.routed_attention`), which then runs after the selection instead of dense;
-- in sparse mode, attends over the compact cache only.
+- in sparse mode, attends over the compact cache only;
+- given a `fast.StaticKV` in place of key states (a compiled step, `fast.static_step`), attends
+  over its blocks (`fast.static_attention`) without reading the active run.
 
 FastV-style pruning (a direct policy with `prune_after`, HT-Sparse's `ht_prune_after`): after that
 layer's selection, the visual rows it did not select leave the prompt. `install(model)` (called once
@@ -35,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .cache import KVCache, LayerSelection, Prompt, SparseKV, causal_mask, grouped_sdpa
+from .fast import StaticKV, static_attention
 from .routing import routed_attention
 
 NAME = "sparsevid"
@@ -148,6 +151,8 @@ def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_star
 def sparsevid_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: query [1, H, q, D], key/value [1, Hkv, n, D] -> ([1, q, H, D], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(key, StaticKV):  # a compiled step (`fast.static_step`): no run to read
+        return static_attention(query, key, scale), None
     run = _ACTIVE.get()
     q, n = query.shape[2], key.shape[2]
     if run is None or run.cache.mode == "dense" or run.cache.layers[module.layer_idx].sparse is None:
@@ -199,7 +204,8 @@ def _prefill_hook(run: Run, layer: int, query, key, value, scale):
         run.start_pruning(sel.info["tokens"])  # the later layers of this prefill see m_t + k rows
     score_keys = getattr(policy, "score_keys", None)
     kept_key = score_keys(layer, key) if score_keys is not None else key  # the dense cache keeps `key`
-    cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads))
+    cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads,
+                                     per_head=getattr(policy, "per_head_blocks", False)))
     restricts = (sel.query_mask is not None or sel.head_scale is not None or kept_key is not key
                  or any(n < m for n in sel.lengths))
     if getattr(policy, "route_prefill", False) and restricts and not cache.store_dense:
@@ -225,6 +231,8 @@ def _prune_rows(module, args, kwargs):
     """Forward pre-hook of a decoder layer: nothing unless the active run is pruning its prefill;
     then the layer gets the kept rows of `hidden_states` (taken once, where it still has m rows)
     and of the rotary `position_embeddings` (and `position_ids`), and the run records its rows."""
+    if torch.compiler.is_compiling():  # a compiled decode step (`fast`): never pruning
+        return None
     run = _ACTIVE.get()
     if run is None or run.prune is None:
         return None

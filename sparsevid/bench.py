@@ -96,6 +96,30 @@ def _median(values):
     return statistics.median(values)
 
 
+def _eager_vs_compiled(loaded, inputs, settings, args, decoding, compiled, frames: int) -> tuple:
+    """A dense run with the compiled steps switched off, against the compiled dense run just before:
+    (frames, eager step median, compiled step median, same tokens)."""
+    loaded.fast.enabled = False
+    try:
+        eager = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+    finally:
+        loaded.fast.enabled = True
+    med = lambda t: statistics.median(t.step_s) if t.step_s else None  # noqa: E731
+    return frames, med(eager), med(compiled), eager.token_ids == compiled.token_ids
+
+
+def compiled_rows(pairs: list[tuple]) -> list[dict]:
+    """Per frame count: median eager and compiled dense step (ms), their ratio, tokens identical."""
+    out = []
+    for F in dict.fromkeys(p[0] for p in pairs):
+        ps = [p for p in pairs if p[0] == F and p[1] and p[2]]
+        if ps:
+            e, c = statistics.median(p[1] for p in ps), statistics.median(p[2] for p in ps)
+            out.append(dict(frames=F, eager_step_ms=e * 1e3, compiled_step_ms=c * 1e3, ratio=c / e,
+                            identical=all(p[3] for p in ps)))
+    return out
+
+
 def bench_main(args) -> int:
     """Each method interleaved with dense on the same clip(s), after a warm-up; medians over
     clips and repeats."""
@@ -104,6 +128,11 @@ def bench_main(args) -> int:
     loaded = load_model(args.model, args.device, args.dtype)
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
+    if args.compile != "off":  # compiled in the first warm-up (`runs.warm_up`)
+        from .fast import enable
+
+        enable(loaded, args.compile)
+    compiled = []  # (eager dense step, compiled dense step, same tokens) per clip and repeat
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
@@ -116,10 +145,12 @@ def bench_main(args) -> int:
             correct = {name: [] for name in ["dense"] + names}
             for frames, question, answer in clips:
                 inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
-                warm_up(loaded, inputs)
+                warm_up(loaded, inputs, names=names, settings=settings)
                 for name in names:
                     for _ in range(args.repeats):
                         dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+                        if loaded.fast is not None and loaded.fast.enabled and name == names[0]:
+                            compiled.append(_eager_vs_compiled(loaded, inputs, settings, args, decoding, dense, F))
                         res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
                         per[name].append(dict(figures(res, dense, loaded, inputs), tokens=len(res.token_ids)))
                         bar.update()
@@ -133,11 +164,23 @@ def bench_main(args) -> int:
                 rows.append(row)
     finally:
         bar.close()
+    steps = compiled_rows(compiled)
+    from .fast import state
+
+    compile_state = state(loaded)
     if args.json:
         print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
-                              ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), rows=rows)))
+                              ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), compile=compile_state,
+                              compiled_steps=steps, rows=rows)))
         return 0
+    print(f"decode steps: {compile_state}")
     print(format_table(rows))
+    if steps:
+        print()
+        print(markdown_table(["frames", "dense step, eager (ms)", "dense step, compiled (ms)", "compiled / eager",
+                              "same tokens"],
+                             [[str(s["frames"]), f"{s['eager_step_ms']:.2f}", f"{s['compiled_step_ms']:.2f}",
+                               f"{s['ratio']:.0%}", str(s["identical"])] for s in steps]))
     costs = [r for r in rows if r.get("prefill_flops_pct") is not None]
     if costs:
         print()

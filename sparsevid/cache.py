@@ -117,8 +117,8 @@ class _Block:
         self.kv = torch.tensor(heads, device=dev)
         self.q = (self.kv[:, None] * G + torch.arange(G, device=dev)).reshape(-1)  # its query heads
         self.n_prompt = K
-        self.k = keys.new_empty(1, len(heads), K + gen_capacity, D)
-        self.v = values.new_empty(1, len(heads), K + gen_capacity, D)
+        self.k = keys.new_zeros(1, len(heads), K + gen_capacity, D)  # zeros: see `fast` (masked tail)
+        self.v = values.new_zeros(1, len(heads), K + gen_capacity, D)
         gather = idx[..., None].expand(-1, -1, D)
         self.k[0, :, :K] = keys[0, self.kv].gather(1, gather)
         self.v[0, :, :K] = values[0, self.kv].gather(1, gather)
@@ -147,7 +147,10 @@ class SparseKV:
     """One layer's compact cache: kept prompt entries + generated tokens.
 
     KV heads that keep the same number of prompt entries share a block (`_Block`): one buffer per
-    block, prompt entries first, attended with one grouped SDPA call. A layer whose heads all keep
+    block, prompt entries first, attended with one grouped SDPA call. With `per_head` (a policy's
+    `per_head_blocks`: HT-Sparse, SparseMM) every KV head is its own block with its own mask and
+    scale, so the layout a compiled step sees (`fast`) does not change with the selection (only a
+    selection that keeps every head whole and unmasked is one block, as dense). A layer whose heads all keep
     the same count (StD's top-K, everything kept) is one block and one call; HT-Sparse's full and
     sparse groups make two blocks; SparseMM's per-head budgets up to Hkv. Every block computes
     only over its own entries, so a step's attention work is proportional to the entries kept, and
@@ -155,7 +158,7 @@ class SparseKV:
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
-                 num_heads: int):
+                 num_heads: int, per_head: bool = False):
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
@@ -163,10 +166,19 @@ class SparseKV:
         self.selection = sel
         self.head_scale = None if sel.head_scale is None else sel.head_scale.to(dev, keys.dtype)
         qmask = None if sel.query_mask is None else sel.query_mask.to(dev).view(Hkv, G, m)
-        self.blocks = []
-        for K in sorted(set(lens), reverse=True):
-            heads = [g for g in range(Hkv) if lens[g] == K]
-            self.blocks.append(_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G))
+        # per_head: the same layout whatever the selection (a block, a mask and a scale per KV head),
+        # except a selection that keeps every head whole, unmasked (one block: dense's arithmetic)
+        per_head = per_head and (qmask is not None or self.head_scale is not None or len(set(lens)) > 1)
+        self.per_head = per_head
+        if per_head:
+            qmask = torch.ones(Hkv, G, m, dtype=torch.bool, device=dev) if qmask is None else qmask
+            if self.head_scale is None:
+                self.head_scale = torch.ones(num_heads, dtype=keys.dtype, device=dev)
+            groups = [[g] for g in range(Hkv)]
+        else:
+            groups = [[g for g in range(Hkv) if lens[g] == K] for K in sorted(set(lens), reverse=True)]
+        self.blocks = [_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G)
+                       for heads in groups]
 
     @property
     def uniform(self) -> bool:
@@ -221,8 +233,8 @@ class LayerKV(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         _, Hkv, _, D = key_states.shape
         shape = (1, Hkv, self.owner.capacity, D)
-        self.keys = key_states.new_empty(shape)
-        self.values = value_states.new_empty(shape)
+        self.keys = key_states.new_zeros(shape)  # zeros: the compiled steps (`fast`) mask, never read, the tail
+        self.values = value_states.new_zeros(shape)
         self.is_initialized = True
 
     def store(self, key_states, value_states, start: int):
@@ -282,6 +294,7 @@ class KVCache(Cache):
         self.capacity, self.store_dense = capacity, store_dense
         self.mode = "dense"
         self.dense_len = self.sparse_len = self.prompt_len = 0
+        self.static: dict = {}  # the compiled steps' views of these buffers (`fast.buffers`)
         super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
 
     @property

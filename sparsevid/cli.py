@@ -21,10 +21,17 @@ from .methods import METHODS, all_options  # noqa: E402
 from .options import add_arguments, values_from_args  # noqa: E402
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, compile_default: str | None = "auto") -> None:
+    """--model, --device, --dtype, and --compile unless `compile_default` is None (a command that
+    runs no decode steps worth compiling)."""
     p.add_argument("--model", default="embedded", help="'embedded' (default), a local folder or a hub id")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
+    if compile_default is not None:
+        p.add_argument("--compile", choices=("auto", "on", "off"), default=compile_default,
+                       help="compiled decode steps (torch.compile, one graph per step kind; compiled during the "
+                       "warm-up, ~1 min the first time, cached on disk): on, off, or auto (kept only if a dense "
+                       f"step measures faster than eager); default {compile_default}")
 
 
 def add_method_args(p: argparse.ArgumentParser, methods_default: str = "dense") -> None:
@@ -48,7 +55,8 @@ def cmd_run(args) -> int:
     from .engine import Sampling
     from .methods import check_settings, parse_methods
     from .models import load_model
-    from .runs import compare
+    from .fast import state as fast_state
+    from .runs import compare, compile_steps
     from .video import load_video
 
     names = parse_methods(args.methods)
@@ -67,6 +75,13 @@ def cmd_run(args) -> int:
         bar.update()
         inputs = loaded.adapter.build_inputs(video.frames, args.question, video.timestamps).to(loaded.device)
         bar.update()
+        if args.compile != "off":
+            from . import fast
+
+            bar.set_postfix_str("compiling decode steps")
+            fast.enable(loaded, args.compile)
+            compile_steps(loaded, inputs, names, settings)
+            bar.set_postfix_str(loaded.fast.message)
 
         def done(trace):
             bar.set_postfix_str(trace.method)
@@ -78,6 +93,7 @@ def cmd_run(args) -> int:
         bar.close()
     if args.json:
         out = dict(model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
+                   compile=fast_state(loaded),
                    video=dict(path=args.video, frames=len(video.frames), visual_tokens=inputs.m_v,
                               prompt_tokens=inputs.m, duration=video.duration, timestamps=video.timestamps),
                    methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()})
@@ -135,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="one video and question through chosen methods, compared with dense")
     p.add_argument("video")
     p.add_argument("question")
-    add_model_args(p)
+    add_model_args(p, compile_default="off")
     add_method_args(p)
     p.add_argument("--frames", type=int, default=16)
     p.add_argument("--json", action="store_true")
@@ -149,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=bench.bench_main)
 
     p = sub.add_parser("calibrate", help="SparseMM visual-head calibration (once per model; cached)")
-    add_model_args(p)
+    add_model_args(p, compile_default=None)
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--source", choices=("auto", "text", "toy"), default="auto",
@@ -165,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="dense and methods over a manifest of clips (accelerate launch: several processes)",
                        description=evaluation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="manifest.jsonl, or a folder holding one")
-    add_model_args(p)
+    add_model_args(p, compile_default="off")
     add_method_args(p)
     evaluation.add_arguments(p)
     p.set_defaults(func=evaluation.eval_main)

@@ -144,15 +144,20 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
 def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None,
          num_layers: int | None = None) -> torch.Tensor:
     """Feed `tokens` after the current length of `mode`'s cache (through the first `num_layers`
-    layers, all by default). Returns logits [q, V]."""
+    layers, all by default). Returns logits [q, V]. The compiled step (`fast`) serves it where it
+    is enabled and the step's buffers allow; else the eager `adapters.text_step`."""
     cache = run.cache
     if mode is not None:
         cache.mode = mode
     dev = loaded.device
     ids = torch.tensor([tokens], device=dev)
     pos = loaded.adapter.position_ids(cache.length + run.position_offset, len(tokens), dev)
-    with active(run):
-        logits = text_step(loaded.model, ids, pos, cache, num_layers)
+    logits = None
+    if loaded.fast is not None and run.on_decode_attention is None:
+        logits = loaded.fast.step(cache, cache.mode, ids, pos, num_layers)  # None: eager
+    if logits is None:
+        with active(run):
+            logits = text_step(loaded.model, ids, pos, cache, num_layers)
     cache.advance(len(tokens))
     return logits[0]
 

@@ -40,6 +40,7 @@ class Loaded:
     revision: str
     device: torch.device
     dtype: torch.dtype
+    fast: object = None  # `fast.FastSteps` when compiled steps are enabled (`fast.enable`)
 
     @property
     def text_config(self):

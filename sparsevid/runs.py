@@ -8,8 +8,10 @@ ratio comes from `metrics` over the traces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -84,12 +86,57 @@ def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> 
     return out
 
 
+def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None) -> str:
+    """Compile every step kind `names` will use (two short runs of each on `inputs`) and, in auto
+    mode, keep the compiled steps only if a dense step measures faster than eager (interleaved,
+    medians). With `lock` (the app's run lock), each method's runs hold it and the steps stay eager
+    in between, so the app serves eager runs until compilation is done. Returns `message`."""
+    fast = getattr(loaded, "fast", None)
+    if fast is None or fast.mode == "off":
+        return "eager"
+    fast.prepared = True
+    sampling = Sampling(ignore_eos=True)
+    lock = lock if lock is not None else contextlib.nullcontext()
+    took, failed = 0.0, False
+    for name in dict.fromkeys(["dense", *names]):
+        with lock:
+            fast.enabled = True
+            t0 = time.perf_counter()
+            for _ in range(2):  # a second run: another γ, another length
+                run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
+            took += time.perf_counter() - t0
+            failed = not fast.enabled  # compilation failed: `message` says why
+            fast.enabled = False
+        if failed:
+            return fast.message
+    with lock:
+        if fast.mode == "on":
+            fast.enabled, fast.message = True, f"compiled ({took:.0f} s)"
+            return fast.message
+        steps = {True: [], False: []}
+        for _ in range(3):
+            for on in (True, False):
+                fast.enabled = on
+                steps[on] += run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling).step_s
+        on, off = statistics.median(steps[True]), statistics.median(steps[False])
+        fast.enabled = on < off
+        fast.message = (f"compiled ({took:.0f} s): dense step {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms"
+                        if fast.enabled else
+                        f"eager: the compiled dense step measured {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms")
+    return fast.message
+
+
 class Cancelled(Exception):
     """A comparison stopped because its `should_stop` said so."""
 
 
-def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None] | None = None) -> None:
-    """One short dense run on the prompt: first-call costs (allocator, kernels, caches) are paid here."""
+def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None] | None = None,
+            names=("dense",), settings: dict | None = None) -> None:
+    """One short dense run on the prompt: first-call costs (allocator, kernels, caches) are paid here;
+    with compiled steps enabled (`fast.enable`) and not yet compiled, every step kind of `names`
+    is compiled here too (`compile_steps`)."""
+    if loaded.fast is not None and not loaded.fast.prepared:
+        compile_steps(loaded, inputs, names, settings)
     decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token)
 
 
@@ -121,7 +168,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         return cb
 
     if warmup:
-        warm_up(loaded, inputs, callback(None))
+        warm_up(loaded, inputs, callback(None), names, settings)
     dense_runs = [run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback("dense"))]
     if on_result is not None:
         on_result(dense_runs[0])

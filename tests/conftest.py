@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("SPARSEVID_COMPILE", "off")  # the app's background compile: only where a test asks
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

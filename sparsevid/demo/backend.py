@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import SparsevidError
 from ..methods import METHODS
 from ..models import EMBEDDED_NAME, KNOWN_CHECKPOINTS, Loaded, load_model
-from ..runs import figures, run_method
+from ..runs import compile_steps, figures, run_method
 from .config import settings_from
 
 log = logging.getLogger("sparsevid.demo")
@@ -135,14 +135,44 @@ class Startup:
         return "\n\n".join(lines)
 
 
+def compile_in_background(name: str | None = None, broken=()) -> threading.Thread | None:
+    """Compile model `name`'s decode steps (`runs.compile_steps`) in a daemon thread: one method at a time
+    under RUN_LOCK, the app's runs eager in between and until it is done. $SPARSEVID_COMPILE: auto
+    (default: kept where it measures faster), on, or off (also off on ZeroGPU, where the GPU is
+    lent per request). Returns the thread, or None when off."""
+    from .. import fast
+
+    mode = os.environ.get("SPARSEVID_COMPILE", "auto")
+    if mode == "off" or ZERO_GPU:
+        return None
+
+    def work():
+        try:
+            with RUN_LOCK:
+                loaded = get_model(name)
+                fast.enable(loaded, mode).enabled = False  # eager until `compile_steps` has compiled
+            inputs = loaded.adapter.build_inputs(_probe_frames(8), "what colour is the object ?").to(loaded.device)
+            names = [m for m in METHODS if m != "dense" and m not in broken]
+            settings = dict(settings_from(), k="0.25")  # every draft selects: its step kind gets compiled
+            log.info("decode steps of %s: %s", loaded.name, compile_steps(loaded, inputs, names, settings, lock=RUN_LOCK))
+        except Exception:  # noqa: BLE001 - the app goes on eager
+            log.exception("compiling the decode steps failed; the app stays eager")
+
+    t = threading.Thread(target=work, name="sparsevid-compile", daemon=True)
+    t.start()
+    return t
+
+
 def startup(model: str | None = None) -> Startup:
-    """Load the default model and check which methods run on it. Never raises: a model that cannot
-    load or an unexpected failure is logged and reported in `warning`; every method stays listed."""
+    """Load the default model, check which methods run on it and start compiling its decode steps
+    in the background (`compile_in_background`). Never raises: a model that cannot load or an
+    unexpected failure is logged and reported in `warning`; every method stays listed."""
     model = model or default_model()
     methods = [(describe_method(n), n) for n in METHODS if n != "dense"]
     try:
         with RUN_LOCK:
             broken = broken_methods(model)
+        compile_in_background(model, broken)
         return Startup(model, methods, broken)
     except SparsevidError as e:
         log.warning("default model %s: %s", model, e)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..adapters import check_question
 from ..errors import InputError, SparsevidError
+from ..fast import state as steps_state
 from ..methods import METHODS, parse_methods
 from .. import runs
 from ..runs import compare, prompt_info
@@ -129,10 +130,11 @@ def _check(video, question, n_frames, methods, settings, max_new_tokens):
 
 def result_json(loaded, video: str, vid, inputs, traces: dict, figs: dict) -> dict:
     """The comparison as plain data, the same JSON as `python -m sparsevid run --json`: model,
-    revision, device, dtype, video {path, frames, visual_tokens, prompt_tokens, duration,
+    revision, device, dtype, compile (the decode steps: compiled or eager), video {path, frames, visual_tokens, prompt_tokens, duration,
     timestamps} and methods {name: trace.to_json() + its figures}."""
     return to_plain(dict(
         model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
+        compile=steps_state(loaded),
         video=dict(path=video, frames=len(vid.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m,
                    duration=vid.duration, timestamps=vid.timestamps),
         methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()}))

@@ -21,7 +21,7 @@ draws exactly the original clips, bit for bit.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 

@@ -10,7 +10,6 @@ import json
 import os
 
 import numpy as np
-import torch
 
 PATCH = 8
 TEMPORAL_PATCH = 2

@@ -1,0 +1,82 @@
+"""Compiled decode steps (`sparsevid.fast`): the same greedy tokens as the eager steps, on every
+architecture and on the embedded model; no recompilation once a run's step kinds are compiled;
+a compilation that fails falls back to eager without failing the run."""
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from sparsevid import fast
+from sparsevid.engine import Sampling
+from sparsevid.runs import compile_steps, run_method
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
+METHODS = ("dense", "std", "streaming", "layerskip")
+SETTINGS = {"k": "0.25", "gamma": "4"}  # drafts that keep a quarter: draft steps over compact buffers
+
+
+def clip(n, size=112, seed=0):
+    return (np.random.RandomState(seed).rand(n, size, size, 3) * 255).astype(np.uint8)
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def eager_after(tiny_loaded):
+    """Every test leaves the shared tiny models eager."""
+    yield
+    for arch in ARCHS:
+        tiny_loaded(arch).fast = None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny_loaded, arch, eager_after):
+    loaded = tiny_loaded(arch)
+    short = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
+    longer = loaded.adapter.build_inputs(clip(12, seed=1), "what colour is the object ?")
+    ignore = Sampling(ignore_eos=True)
+    eager = {(n, i): run_method(loaded, x, n, SETTINGS, 20, ignore).token_ids
+             for n in METHODS for i, x in enumerate((short, longer))}
+    fast.enable(loaded, "on")
+    assert "compiled" in compile_steps(loaded, short, METHODS, SETTINGS)
+    before, calls = graphs(), loaded.fast.calls
+    for i, x in enumerate((short, longer)):  # another prompt length, every γ adaptive γ picks: no new graph
+        for n in METHODS:
+            assert run_method(loaded, x, n, SETTINGS, 20, ignore).token_ids == eager[n, i], (arch, n, i)
+    assert graphs() == before, "a step recompiled after the warm-up"
+    assert loaded.fast.calls - calls >= 4 * 2 * 19  # every run's decode steps went through the graph
+
+
+def test_the_embedded_model_answers_the_same_compiled(eager_after):
+    from sparsevid.bench import bench_clip
+    from sparsevid.models import load_model
+
+    loaded = load_model(None)
+    frames, question, _ = bench_clip(16, None, None)
+    inputs = loaded.adapter.build_inputs(frames, question)
+    eager = {n: run_method(loaded, inputs, n, None, 96) for n in ("dense", "std")}
+    assert len(eager["dense"].token_ids) > 15  # a narration: a few sentences
+    fast.enable(loaded, "on")
+    for n in ("dense", "std"):
+        assert run_method(loaded, inputs, n, None, 96).token_ids == eager[n].token_ids, n
+    assert loaded.fast.calls > 30
+
+
+def test_a_failed_compilation_falls_back_to_eager_and_says_so(tiny_loaded, eager_after):
+    loaded = tiny_loaded("qwen2_vl")
+    inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
+    dense = run_method(loaded, inputs, "dense", None, 12, Sampling(ignore_eos=True))
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C++ compiler")
+
+    fs = fast.enable(loaded, "auto")
+    fs.compiled = torch.compile(fast.static_step, backend=broken_backend)
+    with pytest.warns(RuntimeWarning, match="compilation failed"):
+        res = run_method(loaded, inputs, "dense", None, 12, Sampling(ignore_eos=True))
+    assert res.token_ids == dense.token_ids
+    assert not fs.enabled and "no C++ compiler" in fs.message and fs.calls == 0
+    torch._dynamo.reset()  # forget the broken backend's cache entry for the other tests
