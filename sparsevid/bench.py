@@ -24,7 +24,7 @@ from .tables import cell, markdown_table
 
 ROW_FIELDS = ("speedup", "acceptance", "tokens_per_round", "identical_to_dense", "kv_ratio", "predicted_speedup",
               "e2e_speedup", "bound_speedup", "draft_step_cost", "verify_cost", "dense_step_ms", "draft_step_ms",
-              "verify_ms")
+              "verify_ms", "bound_share")
 # A direct policy's costs (`metrics.efficiency_pct`), each as % of dense in the same run
 COST_FIELDS = ("prefill_flops_pct", "prefill_wall_pct", "prefill_kv_pct", "decode_kv_pct", "peak_memory_pct",
                "latency_pct", "decode_flops_pct")
@@ -161,6 +161,8 @@ def bench_main(args) -> int:
                            tokens=_median([p["tokens"] for p in per[name]]))
                 row.update({f: _median([p.get(f) for p in per[name]]) for f in ROW_FIELDS + COST_FIELDS})
                 row.update(accuracy=_pct(correct[name]), dense_accuracy=_pct(correct["dense"]))
+                if row.get("verify_ms") is not None:
+                    row["step_costs"] = f"{row['dense_step_ms']:.2f} / {row['draft_step_ms']:.2f} / {row['verify_ms']:.2f}"
                 rows.append(row)
     finally:
         bar.close()
@@ -192,7 +194,8 @@ COLUMNS = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), (
            ("tokens", "tokens", "g"), ("decode speedup", "speedup", "x"), ("end-to-end", "e2e_speedup", "x"),
            ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
            ("identical", "identical_to_dense", ""), ("KV vs dense", "kv_ratio", "pct"),
-           ("I/O-model speedup", "predicted_speedup", "x"), ("bound from step costs", "bound_speedup", "x")]
+           ("I/O-model speedup", "predicted_speedup", "x"), ("bound from step costs", "bound_speedup", "x"),
+           ("share of bound", "bound_share", "pct"), ("dense / draft step / verify (ms)", "step_costs", "")]
 
 
 def format_table(rows: list[dict]) -> str:

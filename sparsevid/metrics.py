@@ -92,6 +92,8 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
                      draft_step_cost=costs[0], verify_cost=costs[1],
                      bound_speedup=speculative_bound(a or 0.0, t.gamma, *costs),
                      bound_speedup_full_acceptance=speculative_bound(1.0, t.gamma, *costs))
+            if d["speedup"] and d["bound_speedup"]:  # how much of what its own step costs allow it reached
+                d["bound_share"] = d["speedup"] / d["bound_speedup"]
     return d
 
 

@@ -80,3 +80,26 @@ def test_a_failed_compilation_falls_back_to_eager_and_says_so(tiny_loaded, eager
     assert res.token_ids == dense.token_ids
     assert not fs.enabled and "no C++ compiler" in fs.message and fs.calls == 0
     torch._dynamo.reset()  # forget the broken backend's cache entry for the other tests
+
+
+def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monkeypatch):
+    """The app's start-up thread compiles every method's steps (one method at a time under the run
+    lock), then runs go through the compiled steps and the comparison's JSON says so."""
+    from sparsevid.demo import backend, worker
+
+    monkeypatch.setenv("SPARSEVID_COMPILE", "on")
+    folder = tiny_model_dir("qwen2_vl")
+    thread = backend.compile_in_background(folder)
+    thread.join(timeout=600)
+    loaded = backend.get_model(folder)
+    assert not thread.is_alive() and loaded.fast.enabled and loaded.fast.message.startswith("compiled")
+    assert backend.RUN_LOCK.acquire(blocking=False)  # the thread let go of the lock
+    backend.RUN_LOCK.release()
+    calls = loaded.fast.calls
+    from sparsevid.video import write_video
+
+    path = str(tiny_model_dir("qwen2_vl")) + "/clip.mp4"
+    write_video(path, clip(8), fps=4)
+    out = worker.compare_json(path, "what colour is the object ?", folder, 8, ["std"], {"k": "0.25"}, 12)
+    assert out["compile"].startswith("compiled") and loaded.fast.calls > calls
+    backend.get_model.cache_clear()
