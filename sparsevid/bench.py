@@ -42,8 +42,12 @@ def add_arguments(p) -> None:
                    "colour, shape, direction, count, when, describe); narrations give the decode phase the most "
                    "tokens")
     p.add_argument("--shape", default=None, help="mechanical benchmark at a real model's shape, e.g. qwen2-vl-7b")
-    p.add_argument("--visual-tokens", default="4096,16384,32768", help="for --shape")
+    p.add_argument("--visual-tokens", default=None, help="for --shape (default 4096,16384,32768) and "
+                   "--verify-kernels (default 4608,9216)")
     p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
+    p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
+                   "verification's rows over the whole cache (the embedded model's head shape, --visual-tokens) and "
+                   "their error against float64")
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true")
 
@@ -125,6 +129,8 @@ def bench_main(args) -> int:
     clips and repeats."""
     if args.shape:
         return mechanical(args)
+    if args.verify_kernels:
+        return verify_kernels(args)
     loaded = load_model(args.model, args.device, args.dtype)
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
@@ -225,6 +231,57 @@ SHAPES = {
 }
 
 
+def _kernels(q, k, v, mask, scale):
+    """Candidate exact attentions of rows q [Hkv, R, D] (a KV head's G query heads folded into rows)
+    over k, v [Hkv, n, D] with an additive mask [R, n]: name -> function."""
+    import torch.nn.functional as F
+
+    q4, k4, v4, m4 = q[None], k[None], v[None], mask[None, None]  # SDPA as `static_attention` calls it
+    allowed = m4 == 0
+    return {
+        "SDPA, additive mask (used)": lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale)[0],
+        "SDPA, boolean mask": lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed, scale=scale)[0],
+        "two GEMMs + softmax": lambda: torch.matmul((torch.matmul(q, k.transpose(1, 2)) * scale + mask).softmax(-1), v),
+        "baddbmm + softmax + bmm": lambda: torch.bmm(torch.baddbmm(mask.expand(q.shape[0], -1, -1), q, k.transpose(1, 2),
+                                                                   alpha=scale).softmax(-1), v),
+    }
+
+
+@torch.inference_mode()
+def verify_kernels(args) -> int:
+    """Time each way to attend 2 (a decode step) or 2(γ+1) (a verification) rows per KV head over
+    the whole cache at the embedded model's head shape (Hkv 4, G 2, D 24), float32, medians of 50
+    calls; error against a float64 reference. `static_attention` uses the fastest."""
+    Hkv, G, D, gamma = 4, 2, 24, int(args.settings.get("gamma", 9))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for m_v in [int(x) for x in (args.visual_tokens or "4608,9216").split(",")]:
+        n = m_v + 150
+        for q_rows in (1, gamma + 1):
+            q, k, v = (torch.randn(Hkv, G * q_rows if i == 0 else n, D, generator=gen) for i in range(3))
+            start = n - 40
+            cols, r = torch.arange(n), torch.arange(q_rows)
+            mask = torch.zeros(q_rows, n).masked_fill(cols[None] > (start + r)[:, None], float("-inf")).repeat(G, 1)
+            ref = torch.matmul((torch.matmul(q.double(), k.double().transpose(1, 2)) * D ** -0.5
+                                + mask.double()).softmax(-1), v.double())
+            for name, fn in _kernels(q, k, v, mask, D ** -0.5).items():
+                for _ in range(5):
+                    fn()
+                times = []
+                for _ in range(50):
+                    t0 = time.perf_counter()
+                    out = fn()
+                    times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+                flops, nbytes = 4 * Hkv * G * q_rows * n * D, 2 * Hkv * n * D * 4  # QK^T and PV; K and V read once
+                rows.append([str(m_v), str(q_rows), name, f"{t * 1e3:.3f}", f"{flops / t / 1e9:.0f}",
+                             f"{nbytes / t / 1e9:.1f}", f"{(out.double() - ref).abs().max().item():.1e}"])
+    print(f"one layer, {Hkv} KV heads x {G} query heads, D = {D}, float32, {torch.get_num_threads()} threads")
+    print(markdown_table(["visual tokens", "rows per query head", "kernel", "ms (median of 50)", "GFLOP/s",
+                          "GB/s of K and V", "max error vs float64"], rows))
+    return 0
+
+
 @torch.inference_mode()
 def mechanical(args) -> int:
     """Cost of one dense step, one sparse draft step and one γ+1 verification at a real shape.
@@ -257,7 +314,7 @@ def mechanical(args) -> int:
     gamma = int(args.settings.get("gamma", 9))
     k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
     rows = []
-    for m_v in [int(v) for v in args.visual_tokens.split(",")]:
+    for m_v in [int(v) for v in (args.visual_tokens or "4096,16384,32768").split(",")]:
         m_t = 64
         m = m_v + m_t
         K = visual_budget(k, m_v, m_t)

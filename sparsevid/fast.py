@@ -186,7 +186,7 @@ class FastSteps:
             raise InputError(f"--compile must be one of {', '.join(MODES)}, not {mode!r}.")
         self.model, self.device, self.mode = model, device, mode
         self.enabled = mode != "off"  # before `runs.compile_steps`: compiled at the first step
-        self.message = "eager (--compile off)" if mode == "off" else "compiling at the first steps"
+        self.message = "eager (compilation off)" if mode == "off" else "compiling at the first steps"
         self.compiled = None
         self.calls = 0  # steps served by the compiled graph
         self.prepared = False  # `runs.compile_steps` ran (compiled every step kind it was asked for)
@@ -239,7 +239,7 @@ class FastSteps:
 def state(loaded) -> str:
     """The loaded model's decode steps in words (for reports): compiled or eager, and why."""
     fast = getattr(loaded, "fast", None)
-    return "eager (--compile off)" if fast is None else fast.message
+    return "eager (compilation off)" if fast is None else fast.message
 
 
 def enable(loaded, mode: str = "auto") -> FastSteps:

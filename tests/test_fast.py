@@ -103,3 +103,12 @@ def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monke
     out = worker.compare_json(path, "what colour is the object ?", folder, 8, ["std"], {"k": "0.25"}, 12)
     assert out["compile"].startswith("compiled") and loaded.fast.calls > calls
     backend.get_model.cache_clear()
+
+
+def test_bench_verify_kernels_lists_every_candidate_exact_to_float32(capsys):
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 |")]
+    assert len(rows) == 8 and {r[2] for r in rows} >= {"SDPA, additive mask (used)", "baddbmm + softmax + bmm"}
+    assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # every candidate is exact attention

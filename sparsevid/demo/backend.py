@@ -150,7 +150,9 @@ def compile_in_background(name: str | None = None, broken=()) -> threading.Threa
         try:
             with RUN_LOCK:
                 loaded = get_model(name)
-                fast.enable(loaded, mode).enabled = False  # eager until `compile_steps` has compiled
+                steps = fast.enable(loaded, mode)
+                steps.enabled, steps.message = False, "eager while compiling in the background"
+                steps.prepared = True  # a run's warm-up must not compile: this thread does
             inputs = loaded.adapter.build_inputs(_probe_frames(8), "what colour is the object ?").to(loaded.device)
             names = [m for m in METHODS if m != "dense" and m not in broken]
             settings = dict(settings_from(), k="0.25")  # every draft selects: its step kind gets compiled

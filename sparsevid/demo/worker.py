@@ -130,8 +130,9 @@ def _check(video, question, n_frames, methods, settings, max_new_tokens):
 
 def result_json(loaded, video: str, vid, inputs, traces: dict, figs: dict) -> dict:
     """The comparison as plain data, the same JSON as `python -m sparsevid run --json`: model,
-    revision, device, dtype, compile (the decode steps: compiled or eager), video {path, frames, visual_tokens, prompt_tokens, duration,
-    timestamps} and methods {name: trace.to_json() + its figures}."""
+    revision, device, dtype, compile (the decode steps: compiled or eager, `fast.state`), video
+    {path, frames, visual_tokens, prompt_tokens, duration, timestamps} and methods
+    {name: trace.to_json() + its figures}."""
     return to_plain(dict(
         model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
         compile=steps_state(loaded),
@@ -284,7 +285,7 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
                     changed = True
                     info = (f"**{len(vid.frames)} frames** ({vid.duration:.1f} s video) → {inputs.m_v} visual "
                             f"tokens, prompt {inputs.m} tokens · model `{loaded.name}` on {loaded.device.type} "
-                            f"({str(loaded.dtype)[6:]})")
+                            f"({str(loaded.dtype)[6:]}) · decode steps: {steps_state(loaded)}")
                     if example:
                         info += f" · bundled example, expected answer: *{example.get('answer', '?')}*"
                     status = info
