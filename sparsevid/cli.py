@@ -88,7 +88,7 @@ def cmd_run(args) -> int:
             bar.update()
 
         traces, figs = compare(loaded, inputs, names, settings, args.max_new_tokens,
-                               Sampling(args.temperature, args.top_p, args.seed), on_result=done)
+                               Sampling(args.temperature, args.top_p, args.seed), on_result=done, repeats=args.repeats)
     finally:
         bar.close()
     if args.json:
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p, compile_default="off")
     add_method_args(p)
     p.add_argument("--frames", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="passes of dense and every method; times are medians "
+                   "over them (as the app's SPARSEVID_TIMING_REPEATS)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)

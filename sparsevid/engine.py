@@ -298,18 +298,20 @@ class LayerSkipDraft:
 
 
 class GammaPlan:
-    """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step, measured
-    by a γ = 0 round first), t_draft (a draft step), t_row (each extra token of a verification pass)
+    """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step, the
+    fastest of `warm` γ = 0 rounds first), t_draft (a draft step), t_row (each extra token of a verification pass)
     and the acceptance α so far; `metrics.best_gamma` picks the γ with the most expected tokens per
-    second, 0 (a plain dense step) when speculation cannot pay. The draft is first tried on
+    second, 0 (a plain dense step) when speculation cannot beat dense by 5 %. The draft is first tried on
     `probe` tokens, and again after `reprobe` dense steps in a row, in case acceptance has changed.
     Lossless whatever it picks."""
 
-    def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3):
+    def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
+                 warm: int = 2):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
+        self.warm = warm  # dense steps measured first (the fastest counts: the first after prefill runs cold)
         self.t_dense = self.t_draft = self.t_row = None
-        self.accepted = self.proposed = self.dense_run = 0
+        self.accepted = self.proposed = self.dense_run = self.dense_steps = 0
 
     def choose(self, room: int) -> tuple[int, str]:
         """(γ, why) for a round that may still commit `room` draft tokens besides the bonus."""
@@ -318,7 +320,7 @@ class GammaPlan:
             return g_max, "fixed"
         if self.draft_is_dense:
             return 0, "draft = dense"
-        if self.t_dense is None:
+        if self.dense_steps < self.warm:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.reprobe:
             return min(self.probe, g_max), "probe"
@@ -329,7 +331,9 @@ class GammaPlan:
         ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
         self.dense_run = self.dense_run + 1 if drafted == 0 else 0
         if drafted == 0:
-            self.t_dense = ema(self.t_dense, verify_s)
+            self.dense_steps += 1
+            self.t_dense = (verify_s if self.t_dense is None else min(self.t_dense, verify_s)
+                            if self.dense_steps <= self.warm else ema(self.t_dense, verify_s))
             return
         self.t_draft = ema(self.t_draft, draft_s / drafted)
         if self.t_dense is not None:

@@ -48,14 +48,17 @@ def speculative_bound(alpha: float, gamma: int, c: float, v: float) -> float:
     return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
 
 
-def best_gamma(alpha: float, gamma_max: int, t_draft: float, t_dense: float, t_row: float) -> int:
+def best_gamma(alpha: float, gamma_max: int, t_draft: float, t_dense: float, t_row: float,
+               margin: float = 0.05) -> int:
     """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of
     γ draft steps (t_draft each) and one verification of γ + 1 tokens (t_dense + γ·t_row); γ = 0 is a
-    plain dense step (one token per t_dense)."""
+    plain dense step (one token per t_dense). Speculation must beat dense by `margin` (the costs are
+    measured, and a step's time varies by a few % between steps), else 0."""
     def rate(g: int) -> float:
         return expected_tokens_per_round(alpha, g) / (g * t_draft + t_dense + g * t_row)
 
-    return max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
+    best = max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
+    return best if rate(best) >= (1 + margin) * rate(0) else 0
 
 
 def step_costs(t: Trace, dense: Trace) -> tuple[float, float] | None:

@@ -152,10 +152,14 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
             max_new_tokens: int = 64, sampling: Sampling = Sampling(),
             on_token: Callable[[str, int], None] | None = None,
             on_result: Callable[[Trace], None] | None = None, warmup: bool = True,
-            should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, Trace], dict[str, dict]]:
+            should_stop: Callable[[], bool] | None = None, repeats: int = 1,
+            on_pass: Callable[[int], None] | None = None) -> tuple[dict[str, Trace], dict[str, dict]]:
     """Run dense and each method on the same prompt. Returns ({method: trace}, {method: figures});
     `on_result(trace)` is called as each method finishes (the figures need dense's second run).
-    `should_stop()` is asked at every token of every run (warm-up included): True raises Cancelled."""
+    `should_stop()` is asked at every token of every run (warm-up included): True raises Cancelled.
+    `repeats` > 1: after that first pass, repeats - 1 more passes (dense, then each method), and
+    every method's times are its medians over its passes (the tokens are the same each pass);
+    `on_pass(i)` is called as pass i (2..repeats) starts."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
@@ -179,5 +183,13 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
             on_result(traces[name])
     if len(names) > 1:  # dense again after the methods: its times are the median of both runs
         dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
+    passes = {name: [traces[name]] for name in names[1:]}
+    for i in range(2, repeats + 1):  # timing only: interleaved again, medians
+        if on_pass is not None:
+            on_pass(i)
+        for name in ["dense", *names[1:]]:
+            t = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None))
+            (dense_runs if name == "dense" else passes[name]).append(t)
+    traces.update({name: _median_times(p) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}

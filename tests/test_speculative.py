@@ -116,6 +116,20 @@ def test_compare_reports_figures(inputs_for):
     assert traces["layerskip"].kv_bytes == traces["dense"].kv_bytes
 
 
+def test_compare_repeats_times_every_method_again_and_takes_medians(inputs_for):
+    """`repeats`: more interleaved passes of dense and each method; the same tokens, each method's
+    times the median over its passes (so not the first pass's, unless it was the median)."""
+    loaded, inputs = inputs_for("qwen2_vl")
+    passes, results = [], []
+    traces, figures = compare(loaded, inputs, "std", {"k": "0.5"}, max_new_tokens=12, repeats=3,
+                              on_pass=passes.append, on_result=results.append)
+    assert passes == [2, 3] and [t.method for t in results] == ["dense", "std"]  # streamed once, then timed
+    assert traces["std"].token_ids == traces["dense"].token_ids == results[1].token_ids
+    # dense ran before and after the methods, then once per extra pass: its steps are all four runs'
+    assert len(traces["dense"].step_s) == 4 * len(results[0].step_s) > 0
+    assert figures["std"]["identical_to_dense"]
+
+
 def first_tokens(n, runner):
     return [tuple(runner(Sampling(temperature=1.0, seed=seed)).token_ids[:3]) for seed in range(n)]
 
@@ -155,6 +169,10 @@ def test_best_gamma_is_zero_when_the_draft_costs_a_dense_step_and_large_when_it_
     # a draft step as dear as a dense step, verification rows as dear too: speculation cannot pay
     assert best_gamma(alpha=0.9, gamma_max=9, t_draft=1.0, t_dense=1.0, t_row=1.0) == 0
     assert best_gamma(alpha=0.99, gamma_max=9, t_draft=0.9, t_dense=1.0, t_row=0.5) == 0
+    # a draft step at 0.96 of a dense step, all accepted, verification rows free: 1.04x, within the
+    # 5 % margin the measured costs need, so dense; at 0.7: 1.37x, speculate
+    assert best_gamma(alpha=1.0, gamma_max=9, t_draft=0.96, t_dense=1.0, t_row=0.0) == 0
+    assert best_gamma(alpha=1.0, gamma_max=9, t_draft=0.7, t_dense=1.0, t_row=0.0) == 9
     # a cheap draft and cheap verification rows at high acceptance: the longest draft
     assert best_gamma(alpha=0.95, gamma_max=9, t_draft=0.1, t_dense=1.0, t_row=0.02) == 9
     # low acceptance: short drafts
@@ -166,7 +184,10 @@ def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3, probe=3)
     assert plan.choose(40) == (0, "dense step")
-    plan.observe(0, 0.0, 1.0, 0)  # a dense step: 1.0 s
+    plan.observe(0, 0.0, 1.5, 0)  # the first dense step after prefill runs cold: 1.5 s
+    assert plan.choose(40) == (0, "dense step")
+    plan.observe(0, 0.0, 1.0, 0)  # a dense step: 1.0 s, the fastest counts
+    assert plan.t_dense == 1.0
     assert plan.choose(40) == (3, "probe")  # a short probe first
     plan.observe(3, 3 * 1.0, 1.0 + 3 * 1.0, 3)  # draft steps as dear as dense steps, all accepted
     assert plan.choose(40) == (0, "best")
@@ -175,6 +196,7 @@ def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     assert plan.choose(40) == (3, "probe")  # after `reprobe` dense steps it tries the draft again
     assert plan.choose(2)[0] <= 2  # never more than the room left
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    cheap.observe(0, 0.0, 1.0, 0)
     cheap.observe(0, 0.0, 1.0, 0)
     cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # a cheap draft, all accepted: the longest draft next
     assert cheap.choose(40) == (9, "best")

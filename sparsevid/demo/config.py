@@ -29,6 +29,9 @@ MAX_MINUTES = float(os.environ.get("SPARSEVID_MAX_MINUTES", 10))
 MAX_QUESTION_CHARS = 500
 FRAMES = dict(minimum=2, maximum=256, value=16, step=2)  # 256: the bundled long clip's length
 MAX_NEW_TOKENS = dict(minimum=1, maximum=256, value=96, step=1)  # a narration: up to ~70
+# Passes of dense and every method whose medians give the speed figures (`runs.compare`): one pass
+# is noise on a shared machine (±25 % per run measured here); the same as `run --repeats`.
+TIMING_REPEATS = max(1, int(os.environ.get("SPARSEVID_TIMING_REPEATS", "3")))
 VIDEO_TYPES = [".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif"]
 EXAMPLES_DIR = os.environ.get("SPARSEVID_EXAMPLES_DIR") or os.path.join(ASSETS, "examples")
 
