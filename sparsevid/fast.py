@@ -24,12 +24,18 @@ arithmetic. `static_step` is the step as one traceable function over fixed-shape
 Unfilled buffer entries are zero (`cache.py` allocates with zeros), so a masked key never brings a
 NaN in.
 
-`--compile auto|on|off`: `on` compiles (during the warm-up, `runs.compile_steps`); `auto` compiles and keeps the compiled
-steps only where a dense step measures faster than eager in the same warm-up; `off` is eager. A
-failed compilation never fails a run: the step falls back to eager and the reason is kept in
-`FastSteps.message`. The compiled code is cached on disk (inductor's cache, under
+`--compile auto|on|off`: `on` compiles (during the warm-up, `runs.compile_steps`); `auto` compiles
+and keeps the compiled steps only where a dense step then measures faster than eager; `off` is
+eager. A failed compilation never fails a run: the step falls back to eager and the reason is kept
+in `FastSteps.message`. The compiled code is cached on disk (inductor's cache, under
 `~/.cache/sparsevid/inductor` unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles
 faster; tracing is paid once per process.
+
+Measured on the embedded model (2 CPU threads): a compiled dense step is 47-68 % of the eager one
+(`bench` prints both); of a compiled step, ~0.2 ms is dynamo's guard check and ~0.05 ms the
+runtime wrapper, the rest the graph. Skipping the guards (`set_stance(skip_guard_eval_unsafe=True)`)
+measured 11 % faster and was not taken: a step kind not compiled yet could then run another kind's
+graph.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .errors import InputError
 
 MODES = ("auto", "on", "off")
 
@@ -181,8 +189,6 @@ class FastSteps:
 
     def __init__(self, model, device: torch.device, mode: str = "auto"):
         if mode not in MODES:
-            from .errors import InputError
-
             raise InputError(f"--compile must be one of {', '.join(MODES)}, not {mode!r}.")
         self.model, self.device, self.mode = model, device, mode
         self.enabled = mode != "off"  # before `runs.compile_steps`: compiled at the first step
@@ -196,7 +202,6 @@ class FastSteps:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                                   os.path.join(os.path.expanduser("~"), ".cache", "sparsevid", "inductor"))
             import torch._dynamo
-
             import torch.fx.experimental._config as fx_config
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -212,8 +217,8 @@ class FastSteps:
 
     def step(self, cache, mode: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
              num_layers: int | None = None) -> torch.Tensor | None:
-        """Logits [1, q, V] through the compiled graph, or None (the caller runs the eager step):
-        not enabled, a layer without a uniform buffer, or compilation failed (then disabled)."""
+        """Logits [1, q, V] through the compiled graph, or None (the caller runs the eager step): not
+        enabled, a layer with no buffer to read, or compilation failed (then disabled for good)."""
         if not self.enabled:
             return None
         bufs = buffers(cache, mode, num_layers)
