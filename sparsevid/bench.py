@@ -15,7 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from .engine import Sampling
+from .engine import Sampling, sync as sync_device
 from .errors import InputError
 from .methods import check_settings, parse_methods
 from .models import load_model
@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--visual-tokens", default=None, help="for --shape (default 4096,16384,32768) and "
                    "--verify-kernels (default 4608,9216)")
     p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
+    p.add_argument("--batch", default="1", help="for --shape: comma list of batch sizes (the StD paper: 8)")
+    p.add_argument("--seq", default=None, help="for --shape: comma list of prompt lengths (visual tokens + 64 text "
+                   "tokens), instead of --visual-tokens")
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
                    "verification's rows over the whole cache (the embedded model's head shape, --visual-tokens) and "
                    "their error against float64")
@@ -284,16 +287,19 @@ def verify_kernels(args) -> int:
 
 @torch.inference_mode()
 def mechanical(args) -> int:
-    """Cost of one dense step, one sparse draft step and one γ+1 verification at a real shape.
+    """Cost of one dense step, one sparse draft step and one γ+1 verification at a real shape, for
+    each batch size and prompt length.
 
     The language model is built from the shape with random weights (Qwen2 decoder, as in all
-    three architectures); caches are filled with random KV instead of running a prefill, since
-    only the cost is measured. Acceptance is meaningless here and not reported.
+    three architectures); its buffers are filled with random KV instead of running a prefill, since
+    only the cost is measured (acceptance is meaningless here and not reported). The steps are
+    `fast.static_step` over B sequences of the same length: the dense buffers [B, Hkv, m + γ + 8, D]
+    and a top-K draft's compact buffers [B, Hkv, K + m_t + γ + 8, D]; compiled unless --compile off
+    (CUDA: CUDA graphs).
     """
     import transformers
 
-    from .attention import NAME, Run
-    from .cache import KVCache, LayerSelection, Prompt, SparseKV
+    from .fast import Block, FastSteps, static_step
     from .methods.base import visual_budget
     from .models import pick_device
 
@@ -302,65 +308,66 @@ def mechanical(args) -> int:
     dev, dtype = pick_device(args.device, args.dtype)
     shape = dict(SHAPES[args.shape])
     layers = args.layers or (shape["num_hidden_layers"] if dev.type == "cuda" else 2)
-    shape.update(num_hidden_layers=layers, max_position_embeddings=65536)
+    shape.update(num_hidden_layers=layers, max_position_embeddings=131072)
     if dev.type != "cuda":
         shape["vocab_size"] = 4096  # the LM head's cost does not depend on the cache; keep CPU runs short
     config = transformers.Qwen2Config(**shape)
-    config._attn_implementation = NAME
+    config._attn_implementation = "sparsevid"
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).to(dev, dtype).eval()
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     D = config.hidden_size // H
     gamma = int(args.settings.get("gamma", 9))
     k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
-    rows = []
-    for m_v in [int(v) for v in (args.visual_tokens or "4096,16384,32768").split(",")]:
-        m_t = 64
-        m = m_v + m_t
-        K = visual_budget(k, m_v, m_t)
-        cache = KVCache(layers, m + gamma + 8)
-        vis = torch.arange(16, 16 + m_v)
-        run = Run(cache, Prompt(m, vis, 16 + m_v, layers, H, Hkv))
-        for layer in cache.layers:
-            kv = torch.randn(2, 1, Hkv, m, D, device=dev, dtype=dtype)
-            layer.lazy_initialization(kv[0], kv[1])
-            layer.keys[:, :, :m] = kv[0]
-            layer.values[:, :, :m] = kv[1]
-            text = torch.cat([torch.arange(16), torch.arange(16 + m_v, m)])
-            keep = torch.cat([text.expand(Hkv, -1), vis[torch.rand(Hkv, m_v).topk(K, dim=1).indices]], 1).sort(1).values
-            layer.sparse = SparseKV(kv[0], kv[1], LayerSelection(list(keep)), gamma + 8, H)
-        cache.finish_prefill(m)
-
-        def timed(mode, q):
-            from .attention import active
-
-            ids = torch.randint(0, 100, (1, q), device=dev)
-            cache.mode = mode
-            times = []
-            for _ in range(args.repeats + 1):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                with active(run):
-                    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            return statistics.median(times[1:])
-
-        dense, draft, verify = timed("dense", 1), timed("sparse", 1), timed("dense", gamma + 1)
-        rows.append(dict(shape=args.shape, layers=layers, visual_tokens=m_v, k=K, dense_step_ms=dense * 1e3,
-                         draft_step_ms=draft * 1e3, verify_ms=verify * 1e3, draft_vs_dense=draft / dense,
-                         verify_vs_dense=verify / dense,
-                         round_bound_speedup=(gamma + 1) * dense / (gamma * draft + verify)))
-    if args.json:
-        print(json.dumps(dict(device=str(dev), dtype=str(dtype)[6:], gamma=gamma, rows=rows)))
+    step = static_step if args.compile == "off" else FastSteps(model, dev, "on")._fn()
+    m_t = 64
+    if args.seq:
+        visual = [int(v) - m_t for v in args.seq.split(",")]
     else:
-        print(f"{args.shape} ({layers} layers, {dev}, {str(dtype)[6:]}), gamma={gamma}")
-        print("| visual tokens | K | dense step ms | draft step ms | verify (γ+1) ms | draft/dense | verify/dense | "
-              "speedup if all accepted |\n|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['visual_tokens']} | {r['k']} | {r['dense_step_ms']:.1f} | {r['draft_step_ms']:.1f} | "
-                  f"{r['verify_ms']:.1f} | {r['draft_vs_dense']:.2f} | {r['verify_vs_dense']:.2f} | "
-                  f"{r['round_bound_speedup']:.2f}x |")
+        visual = [int(v) for v in (args.visual_tokens or "4096,16384,32768").split(",")]
+    batches = [int(b) for b in str(args.batch).split(",")]
+    rows = []
+    for B in batches:
+        for m_v in visual:
+            m = m_v + m_t
+            K = visual_budget(k, m_v, m_t)
+            n_draft = K + m_t
+            new = lambda n: torch.randn(B, Hkv, n + gamma + 8, D, device=dev, dtype=dtype)  # noqa: E731
+            dense = [Block(new(m), new(m), None, None, None, i) for i in range(layers)]
+            draft = [Block(new(n_draft), new(n_draft), None, None, None, i) for i in range(layers)]
+            for b in dense + draft:
+                torch._dynamo.mark_dynamic(b.k, 2)
+                torch._dynamo.mark_dynamic(b.v, 2)
+
+            def timed(blocks, n, q):
+                ids = torch.randint(0, 100, (B, q), device=dev)
+                pos = torch.arange(m, m + q, device=dev).expand(B, q)
+                if q > 1:
+                    torch._dynamo.mark_dynamic(ids, 1)
+                    torch._dynamo.mark_dynamic(pos, 1)
+                start = torch.full((layers,), n, device=dev)
+                times = []
+                for _ in range(args.repeats + 2):  # the first calls compile and warm up
+                    sync_device(dev)
+                    t = time.perf_counter()
+                    step(model, ids, pos, [[b] for b in blocks], [None] * layers, start)
+                    sync_device(dev)
+                    times.append(time.perf_counter() - t)
+                return statistics.median(times[2:])
+
+            d, s, v = timed(dense, m, 1), timed(draft, n_draft, 1), timed(dense, m, gamma + 1)
+            rows.append(dict(shape=args.shape, layers=layers, batch=B, visual_tokens=m_v, prompt=m, k=K,
+                             dense_step_ms=d * 1e3, draft_step_ms=s * 1e3, verify_ms=v * 1e3, draft_vs_dense=s / d,
+                             verify_vs_dense=v / d, round_bound_speedup=(gamma + 1) * d / (gamma * s + v)))
+    compiled = "eager" if args.compile == "off" else "compiled"
+    if args.json:
+        print(json.dumps(dict(device=str(dev), dtype=str(dtype)[6:], gamma=gamma, steps=compiled, rows=rows)))
+        return 0
+    print(f"{args.shape} ({layers} layers, {dev}, {str(dtype)[6:]}, {compiled} steps), gamma={gamma}")
+    print(markdown_table(
+        ["batch", "visual tokens", "K", "dense step ms", "draft step ms", "verify (γ+1) ms", "draft/dense",
+         "verify/dense", "speedup if all accepted"],
+        [[str(r["batch"]), str(r["visual_tokens"]), str(r["k"]), f"{r['dense_step_ms']:.1f}",
+          f"{r['draft_step_ms']:.1f}", f"{r['verify_ms']:.1f}", f"{r['draft_vs_dense']:.2f}",
+          f"{r['verify_vs_dense']:.2f}", f"{r['round_bound_speedup']:.2f}x"] for r in rows]))
     return 0

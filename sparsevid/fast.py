@@ -104,7 +104,7 @@ class StaticView:
 def static_step(model, input_ids, position_ids, layers: list, head_scale: list, start: torch.Tensor):
     """Logits [1, q, V] of q tokens through the first len(layers) decoder layers (all for a dense
     step) of `model`'s language model, writing their KV into the layers' blocks (see `StaticView`)."""
-    lm = model.model.language_model
+    lm = getattr(model.model, "language_model", model.model)  # a Video-LLM's text model, or a bare LM
     h = lm.embed_tokens(input_ids)
     pe = lm.rotary_emb(h, position_ids)
     view = StaticView(layers, head_scale, start)
@@ -114,10 +114,11 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
 
 
 def static_attention(query, kv: StaticKV, scale):
-    """query [1, H, q, D] over each block's whole buffer -> [1, q, H, D]. Row t of block b sees its
-    entries 0 .. start_b + t (causality and the unfilled tail are one additive mask [q, capacity_b]);
-    the G query heads of a KV head are folded into rows (no K/V repeat)."""
-    _, H, q, D = query.shape
+    """query [B, H, q, D] over each block's whole buffer [B, h_b, capacity_b, D] -> [B, q, H, D]
+    (the engine: B = 1; `bench --shape --batch`: B sequences of one length). Row t of block b sees
+    its entries 0 .. start_b + t (causality and the unfilled tail are one additive mask
+    [q, capacity_b]); the G query heads of a KV head are folded into rows (no K/V repeat)."""
+    B, H, q, D = query.shape
     rows = torch.arange(q, device=query.device)
     outs = []
     for b in kv.blocks:
@@ -131,8 +132,8 @@ def static_attention(query, kv: StaticKV, scale):
         else:
             mask = (mask[None, None] + b.bias[:, :, None, :]).reshape(1, h_b, G * q, -1)
         qb = query if b.query_heads is None else query.index_select(1, b.query_heads)
-        out = F.scaled_dot_product_attention(qb.reshape(1, h_b, G * q, D), b.k, b.v, attn_mask=mask, scale=scale)
-        outs.append(out.view(1, h_b * G, q, D))
+        out = F.scaled_dot_product_attention(qb.reshape(B, h_b, G * q, D), b.k, b.v, attn_mask=mask, scale=scale)
+        outs.append(out.view(B, h_b * G, q, D))
     if len(outs) == 1 and kv.blocks[0].query_heads is None:
         out = outs[0]
     else:  # blocks hold disjoint query heads, together all of them

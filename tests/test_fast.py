@@ -112,3 +112,34 @@ def test_bench_verify_kernels_lists_every_candidate_exact_to_float32(capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 |")]
     assert len(rows) == 8 and {r[2] for r in rows} >= {"SDPA, additive mask (used)", "baddbmm + softmax + bmm"}
     assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # every candidate is exact attention
+
+
+def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
+    """The cost side at a 7B shape (one random layer): dense step, draft step and verification for
+    every batch size and prompt length asked, through the static steps."""
+    import json
+
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--shape", "qwen2-vl-7b", "--layers", "1", "--seq", "320,576", "--batch", "1,2",
+                     "--k", "64", "--compile", "off", "--repeats", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["batch"], r["prompt"]) for r in rows] == [(1, 320), (1, 576), (2, 320), (2, 576)]
+    assert all(r["k"] == 64 and r["dense_step_ms"] > 0 and r["draft_step_ms"] > 0 and r["verify_ms"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
+def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
+    from sparsevid.bench import bench_clip
+    from sparsevid.models import load_model
+
+    loaded = load_model(None, device="cuda", dtype="float32")
+    frames, question, _ = bench_clip(256, None, None)
+    inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
+    eager = {n: run_method(loaded, inputs, n, SETTINGS, 48).token_ids for n in METHODS + ("htsparse", "sparsemm")}
+    fast.enable(loaded, "on")
+    compile_steps(loaded, inputs, list(eager), SETTINGS)
+    before = graphs()
+    for n, tokens in eager.items():
+        assert run_method(loaded, inputs, n, SETTINGS, 48).token_ids == tokens, n
+    assert graphs() == before and loaded.fast.calls > 0

@@ -26,7 +26,9 @@ class Speculative:
     refresh: bool = option(True, "after each round, replace the accepted tokens' KV in the draft cache by dense's",
                            "bool", label="Refresh the draft cache with dense KV of accepted tokens")
     adaptive_gamma: bool = option(True, "choose each round's γ (0 to gamma; 0 = a plain dense step) from the run's "
-                                  "measured step costs and acceptance; off: always gamma", "bool",
+                                  "measured step costs and acceptance; off: always gamma (greedy answers are "
+                                  "identical either way; sampled answers repeat for a seed only with it off, "
+                                  "since γ follows timings)", "bool",
                                   label="Adaptive γ (never slower than dense by design)")
 
 
