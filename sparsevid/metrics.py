@@ -95,9 +95,9 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
                      draft_step_cost=costs[0], verify_cost=costs[1],
                      bound_speedup=speculative_bound(a or 0.0, t.gamma, *costs),
                      bound_speedup_full_acceptance=speculative_bound(1.0, t.gamma, *costs))
-            if any(r.why != "fixed" for r in t.rounds):  # adaptive γ may always fall back to dense steps (1x)
-                d["bound_speedup"] = max(1.0, d["bound_speedup"])
-                d["bound_speedup_full_acceptance"] = max(1.0, d["bound_speedup_full_acceptance"])
+            if any(r.why != "fixed" for r in t.rounds):  # adaptive γ: the best γ up to gamma, or dense steps (1x)
+                for key, alpha in (("bound_speedup", a or 0.0), ("bound_speedup_full_acceptance", 1.0)):
+                    d[key] = max([1.0] + [speculative_bound(alpha, g, *costs) for g in range(1, t.gamma + 1)])
             if d["speedup"] and d["bound_speedup"]:  # how much of what its own step costs allow it reached
                 d["bound_share"] = d["speedup"] / d["bound_speedup"]
     return d
