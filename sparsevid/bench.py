@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from .engine import Sampling, sync as sync_device
 from .errors import InputError
+from .fast import enable, state
 from .methods import check_settings, parse_methods
 from .models import load_model
 from .runs import figures, run_method, warm_up
@@ -137,10 +138,7 @@ def bench_main(args) -> int:
     loaded = load_model(args.model, args.device, args.dtype)
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
-    if args.compile != "off":  # compiled in the first warm-up (`runs.warm_up`)
-        from .fast import enable
-
-        enable(loaded, args.compile)
+    enable(loaded, args.compile)  # compiled in the first warm-up (`runs.warm_up`)
     compiled = []  # (eager dense step, compiled dense step, same tokens) per clip and repeat
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
@@ -176,8 +174,6 @@ def bench_main(args) -> int:
     finally:
         bar.close()
     steps = compiled_rows(compiled)
-    from .fast import state
-
     compile_state = state(loaded)
     if args.json:
         print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
@@ -319,7 +315,7 @@ def mechanical(args) -> int:
     D = config.hidden_size // H
     gamma = int(args.settings.get("gamma", 9))
     k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
-    step = static_step if args.compile == "off" else FastSteps(model, dev, "on")._fn()
+    step = static_step if args.compile == "off" else FastSteps(model, dev, "on").compiled_step()
     m_t = 64
     if args.seq:
         visual = [int(v) - m_t for v in args.seq.split(",")]

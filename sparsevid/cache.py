@@ -169,7 +169,6 @@ class SparseKV:
         # per_head: the same layout whatever the selection (a block, a mask and a scale per KV head),
         # except a selection that keeps every head whole, unmasked (one block: dense's arithmetic)
         per_head = per_head and (qmask is not None or self.head_scale is not None or len(set(lens)) > 1)
-        self.per_head = per_head
         if per_head:
             qmask = torch.ones(Hkv, G, m, dtype=torch.bool, device=dev) if qmask is None else qmask
             if self.head_scale is None:

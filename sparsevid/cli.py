@@ -55,8 +55,8 @@ def cmd_run(args) -> int:
     from .engine import Sampling
     from .methods import check_settings, parse_methods
     from .models import load_model
-    from .fast import state as fast_state
-    from .runs import compare, compile_steps
+    from .fast import enable as enable_steps, state as fast_state
+    from .runs import compare
     from .video import load_video
 
     names = parse_methods(args.methods)
@@ -75,13 +75,8 @@ def cmd_run(args) -> int:
         bar.update()
         inputs = loaded.adapter.build_inputs(video.frames, args.question, video.timestamps).to(loaded.device)
         bar.update()
-        if args.compile != "off":
-            from . import fast
-
-            bar.set_postfix_str("compiling decode steps")
-            fast.enable(loaded, args.compile)
-            compile_steps(loaded, inputs, names, settings)
-            bar.set_postfix_str(loaded.fast.message)
+        if enable_steps(loaded, args.compile) is not None:  # compiled in `compare`'s warm-up
+            bar.set_postfix_str("warm-up: compiling decode steps")
 
         def done(trace):
             bar.set_postfix_str(trace.method)

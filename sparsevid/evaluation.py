@@ -230,10 +230,9 @@ def eval_main(args) -> int:
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", n_proc))
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // per_node))
         loaded = load_model(args.model, device, args.dtype)
-        if args.compile != "off":  # compiled in the first item's warm-up (`runs.warm_up`)
-            from .fast import enable
+        from .fast import enable
 
-            enable(loaded, args.compile)
+        enable(loaded, args.compile)  # compiled in the first item's warm-up (`runs.warm_up`)
         settings = check_settings(args.settings)
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         with state.split_between_processes(todo) as mine:

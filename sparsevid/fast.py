@@ -184,21 +184,20 @@ def buffers(cache, mode: str, num_layers: int | None = None):
 class FastSteps:
     """The compiled step of one loaded model and its state.
 
-    mode: "on", "auto" or "off"; `enabled` says whether steps go through the compiled graph now
+    mode: "on" or "auto"; `enabled` says whether steps go through the compiled graph now
     (after `runs.compile_steps` in auto mode: only if it measured faster). `message` says what happened
     (compiled, kept eager and why, failed and why)."""
 
     def __init__(self, model, device: torch.device, mode: str = "auto"):
-        if mode not in MODES:
-            raise InputError(f"--compile must be one of {', '.join(MODES)}, not {mode!r}.")
         self.model, self.device, self.mode = model, device, mode
-        self.enabled = mode != "off"  # before `runs.compile_steps`: compiled at the first step
-        self.message = "eager (compilation off)" if mode == "off" else "compiling at the first steps"
+        self.enabled = True  # before `runs.compile_steps`: compiled at the first step
+        self.message = "compiling at the first steps"
         self.compiled = None
         self.calls = 0  # steps served by the compiled graph
         self.prepared = False  # `runs.compile_steps` ran (compiled every step kind it was asked for)
 
-    def _fn(self):
+    def compiled_step(self):
+        """`static_step` compiled for this device (built once; graphs are compiled at first calls)."""
         if self.compiled is None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                                   os.path.join(os.path.expanduser("~"), ".cache", "sparsevid", "inductor"))
@@ -230,7 +229,7 @@ class FastSteps:
             torch._dynamo.mark_dynamic(input_ids, 1)
             torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 1)
         try:
-            out = self._fn()(self.model, input_ids, position_ids, layers, scales, offsets + cache.length)
+            out = self.compiled_step()(self.model, input_ids, position_ids, layers, scales, offsets + cache.length)
         except Exception as e:  # never fail a run because compilation failed: eager from now on
             root = getattr(e, "inner_exception", None) or e  # a backend's own error, not dynamo's wrapper
             first = (str(root).strip().splitlines() or [""])[0][:200]
@@ -244,11 +243,13 @@ class FastSteps:
 
 def state(loaded) -> str:
     """The loaded model's decode steps in words (for reports): compiled or eager, and why."""
-    fast = getattr(loaded, "fast", None)
-    return "eager (compilation off)" if fast is None else fast.message
+    return "eager (compilation off)" if loaded.fast is None else loaded.fast.message
 
 
-def enable(loaded, mode: str = "auto") -> FastSteps:
-    """Give `loaded` compiled steps in `mode` (compiled by `runs.compile_steps`, or at the first step)."""
-    loaded.fast = FastSteps(loaded.model, loaded.device, mode)
+def enable(loaded, mode: str = "auto") -> FastSteps | None:
+    """Give `loaded` compiled steps in `mode` (compiled by `runs.compile_steps`, or at the first step);
+    "off": none (eager)."""
+    if mode not in MODES:
+        raise InputError(f"--compile must be one of {', '.join(MODES)}, not {mode!r}.")
+    loaded.fast = None if mode == "off" else FastSteps(loaded.model, loaded.device, mode)
     return loaded.fast

@@ -91,8 +91,8 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
     mode, keep the compiled steps only if a dense step measures faster than eager (interleaved,
     medians). With `lock` (the app's run lock), each method's runs hold it and the steps stay eager
     in between, so the app serves eager runs until compilation is done. Returns `message`."""
-    fast = getattr(loaded, "fast", None)
-    if fast is None or fast.mode == "off":
+    fast = loaded.fast
+    if fast is None:
         return "eager"
     fast.prepared = True
     sampling = Sampling(ignore_eos=True)
