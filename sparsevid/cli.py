@@ -100,6 +100,8 @@ def cmd_run(args) -> int:
         extra = ""
         if f is not None:
             sp = "too few decode steps" if f["speedup"] is None else f"{f['speedup']:.2f}x"
+            if f.get("speedup_range"):
+                sp += " ({:.2f}-{:.2f}x over the passes)".format(*f["speedup_range"])
             extra = (f"  decode speedup {sp}  kv {f['kv_ratio']:.0%}"
                      + (f"  acceptance {f['acceptance']:.0%}" if f.get("acceptance") is not None else "")
                      + ("  identical to dense" if f["identical_to_dense"] else "  differs from dense"))

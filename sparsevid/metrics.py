@@ -1,8 +1,8 @@
 """Every figure a face shows, as pure functions of traces (no torch, no model).
 
 - `ratios`: a method's run against dense's on the same prompt: decode speedup (per decoded token,
-  none when too few steps were measured), end-to-end speedup, KV ratio, identity with dense,
-  acceptance and tokens per round, the I/O model's prediction (StD paper) and the bound from the
+  none when too few steps were measured) and its range over the timing passes, end-to-end speedup,
+  KV ratio, identity with dense, acceptance and tokens per round, the I/O model's prediction (StD paper) and the bound from the
   run's own step costs (MagicDec's form, Chen et al., arXiv:2408.11049);
 - `efficiency`: analytic KV bytes and FLOPs of a run from the selections it kept (the HT-Sparse
   paper's figures), so `efficiency_pct` gives them as % of dense.
@@ -31,6 +31,18 @@ def decode_speedup(t: Trace, dense: Trace) -> float | None:
         return None
     a, b = per_token_decode_s(dense), per_token_decode_s(t)
     return a / b if a and b else None
+
+
+def decode_speedup_range(t: Trace, dense: Trace) -> tuple[float, float] | None:
+    """(lowest, highest) decode speedup over the timing passes of `runs.compare`, each pass's run
+    against the dense run nearest it in time (dense ran once before the first pass and once in each
+    pass: the method's i-th run pairs with dense's run i + 1); None with one pass or too few steps."""
+    n = len(t.decode_runs_s)
+    if n < 2 or len(dense.decode_runs_s) < n + 1 or decode_speedup(t, dense) is None:
+        return None
+    per_token = t.decode_tokens / dense.decode_tokens
+    r = [dense.decode_runs_s[i + 1] / t.decode_runs_s[i] * per_token for i in range(n) if t.decode_runs_s[i]]
+    return (min(r), max(r)) if r else None
 
 
 def acceptance(t: Trace) -> float | None:
@@ -78,6 +90,7 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
     d = dict(speedup=decode_speedup(t, dense), e2e_speedup=dense.total_s / t.total_s if t.total_s else None,
              kv_ratio=t.kv_bytes / dense.kv_bytes if dense.kv_bytes else None,
              identical_to_dense=t.token_ids == dense.token_ids, lossless=t.kind != "direct",
+             speedup_range=decode_speedup_range(t, dense),
              decode_tokens=t.decode_tokens, prefill_ratio=t.prefill_s / dense.prefill_s if dense.prefill_s else None)
     if t.kind == "speculative":
         a = acceptance(t)

@@ -145,6 +145,7 @@ def _median_times(runs: list[Trace]) -> Trace:
     t = runs[0]
     return dataclasses.replace(t, prefill_s=statistics.median(r.prefill_s for r in runs),
                                decode_s=statistics.median(r.decode_s for r in runs),
+                               decode_runs_s=[r.decode_s for r in runs],
                                step_s=sorted(s for r in runs for s in r.step_s))
 
 

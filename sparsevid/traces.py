@@ -97,7 +97,8 @@ class Trace:
     uniform). peak_memory_bytes: the run's peak memory, `peak_memory_source` "cuda" (peak allocated
     bytes, weights included) or "rss" (CPU: growth of the peak resident size over the run; None
     where neither can be measured). config: the
-    method's settings as it ran (its dataclass fields, and γ / refresh for a draft).
+    method's settings as it ran (its dataclass fields, and γ / refresh for a draft). decode_runs_s:
+    with repeated timing passes, each pass's decode time in the order run (decode_s is their median).
     """
 
     method: str
@@ -117,6 +118,7 @@ class Trace:
     peak_memory_bytes: int | None = None
     peak_memory_source: str | None = None
     config: dict = field(default_factory=dict)
+    decode_runs_s: list[float] = field(default_factory=list)  # each timing pass's decode time (runs.compare)
 
     @property
     def total_s(self) -> float:

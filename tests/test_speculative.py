@@ -128,6 +128,13 @@ def test_compare_repeats_times_every_method_again_and_takes_medians(inputs_for):
     # dense ran before and after the methods, then once per extra pass: its steps are all four runs'
     assert len(traces["dense"].step_s) == 4 * len(results[0].step_s) > 0
     assert figures["std"]["identical_to_dense"]
+    # each pass's times are kept, and the card's range spans the per-pass ratios around the median
+    assert len(traces["std"].decode_runs_s) == 3 and len(traces["dense"].decode_runs_s) == 4
+    lo, hi = figures["std"]["speedup_range"]
+    assert lo <= hi and lo > 0
+    d, s = traces["dense"].decode_runs_s, traces["std"].decode_runs_s
+    per_token = traces["std"].decode_tokens / traces["dense"].decode_tokens
+    assert min(d[i + 1] / s[i] for i in range(3)) * per_token == pytest.approx(lo)
 
 
 def first_tokens(n, runner):

@@ -75,7 +75,9 @@ def card(name: str, text: str, trace=None, fig: dict | None = None, state: str =
     f = fig or {}
     if fig is not None:
         sp, e2e = f.get("speedup"), f.get("e2e_speedup")
-        rows.append(("speedup", (NO_SPEEDUP if sp is None else f"**{sp:.2f}×** decode")
+        lo_hi = f.get("speedup_range")
+        spread = f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f}× over {len(trace.decode_runs_s)} passes)" if lo_hi else ""
+        rows.append(("speedup", (NO_SPEEDUP if sp is None else f"**{sp:.2f}×** decode{spread}")
                      + (f", {e2e:.2f}× end to end" if e2e is not None else "")))
     kv = fmt_bytes(trace.kv_bytes)
     if f.get("kv_ratio") is not None:

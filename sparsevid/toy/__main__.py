@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     tr.add_argument("--finetune", default=None, metavar="FOLDER",
                     help="issue 22's shipped recipe: fine-tune the model in FOLDER (the default recipe's output) "
                          "on the randomised data (train.FINETUNE: no stage 1, 4100 answer steps)")
+    tr.add_argument("--refine", default=None, metavar="FOLDER",
+                    help="issue 22's second fine-tune of the model in FOLDER (the --finetune output): the vision "
+                         "tower re-trained on random styles, then narration-heavy answer training (train.REFINE)")
     tr.add_argument("--style-prob", type=float, default=None,
                     help="share of training clips in a random style (default 0; --randomise: 0.8)")
     tr.add_argument("--narration-prob", type=float, default=None,
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import FINETUNE, RANDOMISED, TINY, TWO_PASS, TrainConfig, train
+        from .train import FINETUNE, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -79,6 +82,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **RANDOMISED)
         if a.finetune:
             cfg = replace(cfg, **FINETUNE, init_from=a.finetune)
+        if a.refine:
+            cfg = replace(cfg, **REFINE, init_from=a.refine)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
