@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_args(p)
     p.add_argument("--frames", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="passes of dense and every method; times are medians "
-                   "over them (as the app's SPARSEVID_TIMING_REPEATS)")
+                   "over them, the decode speedup the median of the passes' paired ratios (as the app's "
+                   "SPARSEVID_TIMING_REPEATS)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)

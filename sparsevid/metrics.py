@@ -24,25 +24,35 @@ def per_token_decode_s(t: Trace) -> float | None:
     return t.decode_s / t.decode_tokens if t.decode_tokens else None
 
 
+def _pass_speedups(t: Trace, dense: Trace) -> list[float]:
+    """Per-token decode speedup of each timing pass of `runs.compare`, each pass's run against the
+    dense run nearest it in time (dense ran once before the first pass and once in each pass: the
+    method's i-th run pairs with dense's run i + 1): bench's pairs. Empty with one pass."""
+    n = len(t.decode_runs_s)
+    if n < 2 or len(dense.decode_runs_s) < n + 1:
+        return []
+    per_token = t.decode_tokens / dense.decode_tokens
+    return [dense.decode_runs_s[i + 1] / t.decode_runs_s[i] * per_token for i in range(n) if t.decode_runs_s[i]]
+
+
 def decode_speedup(t: Trace, dense: Trace) -> float | None:
-    """dense's decode time per token / the method's; None when either decoded fewer than
+    """dense's decode time per token / the method's; with several timing passes the median of the
+    passes' paired ratios (the statistic `bench` reports); None when either decoded fewer than
     MIN_DECODE_STEPS tokens."""
     if min(t.decode_tokens, dense.decode_tokens) < MIN_DECODE_STEPS:
         return None
+    passes = _pass_speedups(t, dense)
+    if passes:
+        return statistics.median(passes)
     a, b = per_token_decode_s(dense), per_token_decode_s(t)
     return a / b if a and b else None
 
 
 def decode_speedup_range(t: Trace, dense: Trace) -> tuple[float, float] | None:
-    """(lowest, highest) decode speedup over the timing passes of `runs.compare`, each pass's run
-    against the dense run nearest it in time (dense ran once before the first pass and once in each
-    pass: the method's i-th run pairs with dense's run i + 1); None with one pass or too few steps."""
-    n = len(t.decode_runs_s)
-    if n < 2 or len(dense.decode_runs_s) < n + 1 or decode_speedup(t, dense) is None:
-        return None
-    per_token = t.decode_tokens / dense.decode_tokens
-    r = [dense.decode_runs_s[i + 1] / t.decode_runs_s[i] * per_token for i in range(n) if t.decode_runs_s[i]]
-    return (min(r), max(r)) if r else None
+    """(lowest, highest) of the passes' paired decode speedups (`_pass_speedups`); None with one pass
+    or too few steps."""
+    passes = _pass_speedups(t, dense)
+    return (min(passes), max(passes)) if passes and decode_speedup(t, dense) is not None else None
 
 
 def acceptance(t: Trace) -> float | None:
