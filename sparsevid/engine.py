@@ -191,7 +191,7 @@ def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.T
 
 
 @torch.inference_mode()
-def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 64,
+def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 96,
            sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
            keep_stats: bool = False, run_out: list | None = None) -> Trace:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only).
@@ -344,7 +344,7 @@ class GammaPlan:
 
 @torch.inference_mode()
 def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: str = "std", gamma: int = 9,
-                       adaptive: bool = False, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+                       adaptive: bool = False, max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                        on_token: Callable[[int], None] | None = None) -> Trace:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et al.'s acceptance rule).
 

@@ -45,7 +45,7 @@ def _with_head_scores(config, loaded: Loaded):
 
 
 def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | None = None,
-               max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+               max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                on_token: Callable[[int], None] | None = None) -> Trace:
     """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`)."""
     method = METHODS[name]
@@ -150,7 +150,7 @@ def _median_times(runs: list[Trace]) -> Trace:
 
 
 def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, settings: dict | None = None,
-            max_new_tokens: int = 64, sampling: Sampling = Sampling(),
+            max_new_tokens: int = 96, sampling: Sampling = Sampling(),
             on_token: Callable[[str, int], None] | None = None,
             on_result: Callable[[Trace], None] | None = None, warmup: bool = True,
             should_stop: Callable[[], bool] | None = None, repeats: int = 1,

@@ -143,7 +143,7 @@ class HTSparse:
                                        "amount", label="h_s: sparse heads per layer", unit="heads")
     tau: float = option(1.0, "τ: saliency softmax temperature (the partition ranks heads, so it only shapes π)",
                         "float", label="τ: saliency temperature", min=0.05, max=5.0)
-    eta: float = option(0.8, "η: relevance coverage of the kept visual tokens", "float",
+    eta: float = option(0.85, "η: relevance coverage of the kept visual tokens", "float",
                         label="η: relevance coverage of the kept tokens", min=0.05, max=1.0)
     l_v: int | float | None = option(None, "l_v: a fixed visual-token budget (count or fraction) instead of η "
                                      "coverage; blank: coverage", "amount", label="l_v: fixed visual-token budget",
