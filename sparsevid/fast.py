@@ -195,6 +195,10 @@ class FastSteps:
         self.compiled = None
         self.calls = 0  # steps served by the compiled graph
         self.prepared = False  # `runs.compile_steps` ran (compiled every step kind it was asked for)
+        # per-head layouts (HT-Sparse, SparseMM: a block per KV head) through the graph too; auto mode
+        # turns it off where their compiled step measures slower than eager (on some CPUs it is)
+        self.per_head = True
+        self.per_head_calls = 0  # steps of a per-head layout served by the graph
 
     def compiled_step(self):
         """`static_step` compiled for this device (built once; graphs are compiled at first calls)."""
@@ -225,6 +229,9 @@ class FastSteps:
         if bufs is None:
             return None
         layers, scales, offsets = bufs
+        per_head = any(b.query_heads is not None or b.bias is not None for blocks in layers for b in blocks)
+        if per_head and not self.per_head:
+            return None
         if input_ids.shape[1] > 1:  # a verification pass: one graph for every γ
             torch._dynamo.mark_dynamic(input_ids, 1)
             torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 1)
@@ -238,6 +245,7 @@ class FastSteps:
             warnings.warn(f"sparsevid: {self.message}", RuntimeWarning)
             return None
         self.calls += 1
+        self.per_head_calls += per_head
         return out
 
 

@@ -123,6 +123,22 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
         fast.message = (f"compiled ({took:.0f} s): dense step {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms"
                         if fast.enabled else
                         f"eager: the compiled dense step measured {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms")
+        others = [n for n in names if n != "dense"]
+        if fast.enabled and others:  # per-head layouts (a block per KV head): compiled only if faster too
+            for name in others:
+                before = fast.per_head_calls
+                compiled_run = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
+                if fast.per_head_calls == before:
+                    continue  # this method's steps have no per-head layout
+                fast.enabled = False
+                eager_run = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
+                fast.enabled = True
+                on, off = statistics.median(compiled_run.step_s), statistics.median(eager_run.step_s)
+                if on >= off:
+                    fast.per_head = False
+                    fast.message += (f"; per-head steps eager ({name}: compiled {on * 1e3:.2f} ms vs eager "
+                                     f"{off * 1e3:.2f} ms)")
+                break  # one method decides for every per-head layout
     return fast.message
 
 

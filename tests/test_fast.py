@@ -50,6 +50,25 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
     assert loaded.fast.calls - calls >= 4 * 2 * 19  # every run's decode steps went through the graph
 
 
+def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eager_after):
+    """HT-Sparse's and SparseMM's per-head layouts (a block per KV head) through the graph, and eager
+    where `per_head` is off (auto mode turns it off where their compiled step measures slower)."""
+    loaded = tiny_loaded("qwen2_vl")
+    inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
+    ignore = Sampling(ignore_eos=True)
+    eager = {n: run_method(loaded, inputs, n, None, 12, ignore).token_ids for n in ("dense", "htsparse", "sparsemm")}
+    fast.enable(loaded, "on")
+    for n in ("htsparse", "sparsemm"):
+        assert run_method(loaded, inputs, n, None, 12, ignore).token_ids == eager[n], n
+    assert loaded.fast.per_head_calls >= 11  # HT-Sparse's at least (SparseMM's too where its budgets differ by head)
+    loaded.fast.per_head = False
+    per_head_calls, calls = loaded.fast.per_head_calls, loaded.fast.calls
+    assert run_method(loaded, inputs, "htsparse", None, 12, ignore).token_ids == eager["htsparse"]
+    assert loaded.fast.calls == calls and loaded.fast.per_head_calls == per_head_calls  # eager
+    assert run_method(loaded, inputs, "dense", None, 12, ignore).token_ids == eager["dense"]
+    assert loaded.fast.calls == calls + 11  # dense's steps still compiled
+
+
 def test_the_embedded_model_answers_the_same_compiled(eager_after):
     from sparsevid.bench import bench_clip
     from sparsevid.models import load_model
