@@ -147,9 +147,10 @@ def static_attention(query, kv: StaticKV, scale):
 
 
 def buffers(cache, mode: str, num_layers: int | None = None):
-    """The step's layers as (blocks per layer, head_scale per layer, offsets [blocks]) where block
-    `slot` writes at `offsets[slot] + cache length`; built once per cache, mode and layer count
-    (the buffers never move during a run). None when a layer has nothing to read."""
+    """The step's layers as (blocks per layer, head_scale per layer, offsets [blocks], per_head) where
+    block `slot` writes at `offsets[slot] + cache length` and per_head says whether any layer has a
+    per-head layout (HT-Sparse, SparseMM); built once per cache, mode and layer count (the buffers
+    never move during a run). None when a layer has nothing to read."""
     key = (mode, num_layers)
     if key in cache.static:
         return cache.static[key]
@@ -177,7 +178,8 @@ def buffers(cache, mode: str, num_layers: int | None = None):
                 torch._dynamo.mark_dynamic(t, dim)
                 if device.type == "cuda":
                     torch._dynamo.mark_static_address(t)
-    cache.static[key] = out = (layers, scales, torch.tensor(offsets, device=device))
+    per_head = any(b.query_heads is not None or b.bias is not None for blocks in layers for b in blocks)
+    cache.static[key] = out = (layers, scales, torch.tensor(offsets, device=device), per_head)
     return out
 
 
@@ -228,8 +230,7 @@ class FastSteps:
         bufs = buffers(cache, mode, num_layers)
         if bufs is None:
             return None
-        layers, scales, offsets = bufs
-        per_head = any(b.query_heads is not None or b.bias is not None for blocks in layers for b in blocks)
+        layers, scales, offsets, per_head = bufs
         if per_head and not self.per_head:
             return None
         if input_ids.shape[1] > 1:  # a verification pass: one graph for every γ

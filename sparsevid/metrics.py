@@ -35,11 +35,16 @@ def _pass_speedups(t: Trace, dense: Trace) -> list[float]:
     return [dense.decode_runs_s[i + 1] / t.decode_runs_s[i] * per_token for i in range(n) if t.decode_runs_s[i]]
 
 
+def _measurable(t: Trace, dense: Trace) -> bool:
+    """Both decoded at least MIN_DECODE_STEPS tokens: a decode ratio means something."""
+    return min(t.decode_tokens, dense.decode_tokens) >= MIN_DECODE_STEPS
+
+
 def decode_speedup(t: Trace, dense: Trace) -> float | None:
     """dense's decode time per token / the method's; with several timing passes the median of the
     passes' paired ratios (the statistic `bench` reports); None when either decoded fewer than
     MIN_DECODE_STEPS tokens."""
-    if min(t.decode_tokens, dense.decode_tokens) < MIN_DECODE_STEPS:
+    if not _measurable(t, dense):
         return None
     passes = _pass_speedups(t, dense)
     if passes:
@@ -51,8 +56,8 @@ def decode_speedup(t: Trace, dense: Trace) -> float | None:
 def decode_speedup_range(t: Trace, dense: Trace) -> tuple[float, float] | None:
     """(lowest, highest) of the passes' paired decode speedups (`_pass_speedups`); None with one pass
     or too few steps."""
-    passes = _pass_speedups(t, dense)
-    return (min(passes), max(passes)) if passes and decode_speedup(t, dense) is not None else None
+    passes = _pass_speedups(t, dense) if _measurable(t, dense) else []
+    return (min(passes), max(passes)) if passes else None
 
 
 def acceptance(t: Trace) -> float | None:
