@@ -8,6 +8,7 @@ sparse draft step and a γ+1 verification over 4k–32k visual tokens.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -52,6 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
                    "verification's rows over the whole cache (the embedded model's head shape, --visual-tokens) and "
                    "their error against float64")
+    p.add_argument("--examples", action="store_true", help="the app's check: every bundled example (at its frame "
+                   "count) timed as the app times it (`runs.compare`, --repeats passes) and as bench does (--repeats "
+                   "pairs), the two decode speedups side by side")
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true")
 
@@ -129,8 +133,9 @@ def compiled_rows(pairs: list[tuple]) -> list[dict]:
 
 
 def bench_main(args) -> int:
-    """Each method interleaved with dense on the same clip(s), after a warm-up; medians over
-    clips and repeats."""
+    """Each method interleaved with dense on the same clip(s), after a warm-up: every method's run
+    between two dense runs and its decode speedup against their mean (as `runs.compare` pairs them);
+    medians over clips and repeats."""
     if args.shape:
         return mechanical(args)
     if args.verify_kernels:
@@ -139,6 +144,8 @@ def bench_main(args) -> int:
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
     enable(loaded, args.compile)  # compiled in the first warm-up (`runs.warm_up`)
+    if args.examples:
+        return examples_check(args, loaded, names, settings)
     compiled = []  # (eager dense step, compiled dense step, same tokens) per clip and repeat
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
@@ -154,13 +161,13 @@ def bench_main(args) -> int:
                 inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
                 warm_up(loaded, inputs, names=names, settings=settings)
                 for name in names:
-                    for _ in range(args.repeats):
-                        dense = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
-                        if loaded.fast is not None and loaded.fast.enabled and name == names[0]:
-                            compiled.append(_eager_vs_compiled(loaded, inputs, settings, args, decoding, dense, F))
-                        res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
-                        per[name].append(dict(figures(res, dense, loaded, inputs), tokens=len(res.token_ids)))
-                        bar.update()
+                    check = None  # the compiled steps against eager, beside the first method's dense runs
+                    if loaded.fast is not None and loaded.fast.enabled and name == names[0]:
+                        check = lambda d: compiled.append(  # noqa: E731
+                            _eager_vs_compiled(loaded, inputs, settings, args, decoding, d, F))
+                    figs, res, dense = paired_runs(loaded, inputs, name, settings, args, decoding, check)
+                    per[name] += figs
+                    bar.update(args.repeats)
                     correct[name].append(_correct(res, answer))
                 correct["dense"].append(_correct(dense, answer))
             for name in names:
@@ -192,6 +199,63 @@ def bench_main(args) -> int:
     if costs:
         print()
         print(format_cost_table(costs))
+    return 0
+
+
+def paired_runs(loaded, inputs, name: str, settings, args, decoding, on_dense=None) -> tuple[list, object, object]:
+    """--repeats runs of `name` on one prompt, each between two dense runs and paired with their mean
+    (as `runs.compare` pairs them) -> (each run's figures, the last run, the last dense run).
+    `on_dense(dense)` is called with the dense run before each of them."""
+    after = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+    out = []
+    for _ in range(args.repeats):
+        dense = after
+        if on_dense is not None:
+            on_dense(dense)
+        res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
+        after = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+        res.decode_runs_s, res.dense_pair_s = [res.decode_s], [(dense.decode_s + after.decode_s) / 2]
+        out.append(dict(figures(res, dense, loaded, inputs), tokens=len(res.token_ids)))
+    return out, res, after
+
+
+def examples_check(args, loaded, names: list, settings: dict) -> int:
+    """Issue 23's check: on every bundled example, the decode speedup the app shows (`runs.compare`
+    with --repeats passes, its median and range) beside bench's (the median of --repeats pairs on the
+    same input, timed right after), and whether they agree within 15 %."""
+    from .models import ASSETS
+    from .runs import compare
+    from .video import load_video
+
+    folder = os.path.join(ASSETS, "examples")
+    with open(os.path.join(folder, "examples.json")) as f:
+        examples = json.load(f)
+    decoding = Sampling(ignore_eos=args.ignore_eos)
+    rows = []
+    for e in tqdm(examples, desc="examples", file=sys.stderr):
+        vid = load_video(os.path.join(folder, e["file"]), int(e["frames"]))
+        inputs = loaded.adapter.build_inputs(vid.frames, e["question"], vid.timestamps).to(loaded.device)
+        traces, figs = compare(loaded, inputs, names, settings, args.max_new_tokens, decoding, repeats=args.repeats)
+        for name in names:
+            app, rng = figs[name]["speedup"], figs[name]["speedup_range"]
+            bench = (_median([f["speedup"] for f in paired_runs(loaded, inputs, name, settings, args, decoding)[0]])
+                     if app is not None else None)
+            rows.append(dict(example=e["file"], frames=len(vid.frames), tokens=len(traces[name].token_ids),
+                             method=name, app=app, app_range=rng, bench=bench,
+                             ratio=app / bench if app and bench else None))
+    if args.json:
+        print(json.dumps(dict(model=loaded.name, compile=state(loaded), repeats=args.repeats, rows=rows)))
+        return 0
+    print(f"decode steps: {state(loaded)}")
+    print(markdown_table(
+        ["example", "frames", "tokens", "method", "app", "app's range", "bench", "app / bench", "within 15 %",
+         "bench inside the app's range"],
+        [[r["example"], str(r["frames"]), str(r["tokens"]), r["method"], cell(r["app"], "x"),
+          "{:.2f}-{:.2f}x".format(*r["app_range"]) if r["app_range"] else "-", cell(r["bench"], "x"),
+          f"{r['ratio']:.2f}" if r["ratio"] else "-",
+          "-" if not r["ratio"] else ("yes" if 1 / 1.15 <= r["ratio"] <= 1.15 else "no"),
+          "-" if not (r["app_range"] and r["bench"]) else
+          ("yes" if r["app_range"][0] <= r["bench"] <= r["app_range"][1] else "no")] for r in rows]))
     return 0
 
 

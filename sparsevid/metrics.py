@@ -25,14 +25,14 @@ def per_token_decode_s(t: Trace) -> float | None:
 
 
 def _pass_speedups(t: Trace, dense: Trace) -> list[float]:
-    """Per-token decode speedup of each timing pass of `runs.compare`, each pass's run against the
-    dense run nearest it in time (dense ran once before the first pass and once in each pass: the
-    method's i-th run pairs with dense's run i + 1): bench's pairs. Empty with one pass."""
+    """Per-token decode speedup of each timing pass of a method's run: dense's decode time per token
+    in the runs just before and after that pass (`Trace.dense_pair_s`) over the method's. The same
+    pairs in the app, `run`, `eval` and `bench`. Empty when the run carries no pairs."""
     n = len(t.decode_runs_s)
-    if n < 2 or len(dense.decode_runs_s) < n + 1:
+    if not n or len(t.dense_pair_s) != n or not dense.decode_tokens:
         return []
     per_token = t.decode_tokens / dense.decode_tokens
-    return [dense.decode_runs_s[i + 1] / t.decode_runs_s[i] * per_token for i in range(n) if t.decode_runs_s[i]]
+    return [d / r * per_token for d, r in zip(t.dense_pair_s, t.decode_runs_s) if r]
 
 
 def _measurable(t: Trace, dense: Trace) -> bool:
@@ -41,8 +41,8 @@ def _measurable(t: Trace, dense: Trace) -> bool:
 
 
 def decode_speedup(t: Trace, dense: Trace) -> float | None:
-    """dense's decode time per token / the method's; with several timing passes the median of the
-    passes' paired ratios (the statistic `bench` reports); None when either decoded fewer than
+    """dense's decode time per token / the method's: the median of the timing passes' paired ratios
+    (`_pass_speedups`; without pairs, of the two traces' times); None when either decoded fewer than
     MIN_DECODE_STEPS tokens."""
     if not _measurable(t, dense):
         return None
@@ -54,10 +54,10 @@ def decode_speedup(t: Trace, dense: Trace) -> float | None:
 
 
 def decode_speedup_range(t: Trace, dense: Trace) -> tuple[float, float] | None:
-    """(lowest, highest) of the passes' paired decode speedups (`_pass_speedups`); None with one pass
-    or too few steps."""
+    """(lowest, highest) of the passes' paired decode speedups (`_pass_speedups`); None with fewer
+    than two passes or too few steps."""
     passes = _pass_speedups(t, dense) if _measurable(t, dense) else []
-    return (min(passes), max(passes)) if passes else None
+    return (min(passes), max(passes)) if len(passes) > 1 else None
 
 
 def acceptance(t: Trace) -> float | None:

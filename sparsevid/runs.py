@@ -1,9 +1,10 @@
 """Running methods by name on one prompt, and the side-by-side comparison against dense.
 
-`compare` is the one timing shell every face uses (app, `run`, `bench`, `eval`): the model is
-warmed up on the prompt before anything is timed, dense runs before and after the methods (its
-times are the medians of those runs, so no method gains from running first or last), and every
-ratio comes from `metrics` over the traces.
+`compare` is the timing shell of the app, `run` and `eval` (`bench` interleaves the same way): the
+model is warmed up on the prompt before anything is timed, every method's run lies between two dense
+runs and is compared with their mean (so no method gains from running first or last, and a drift
+of the machine's speed cancels to first order), and every ratio comes from `metrics` over the
+traces.
 """
 
 from __future__ import annotations
@@ -155,12 +156,13 @@ def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None]
     decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token)
 
 
-def _median_times(runs: list[Trace]) -> Trace:
-    """The first run, with prefill and decode times the medians over `runs` (same tokens)."""
+def _median_times(runs: list[Trace], pairs: list[float] | None = None) -> Trace:
+    """The first run, with prefill and decode times the medians over `runs` (same tokens), each
+    run's decode time kept and, for a method, the dense decode time each run is paired with."""
     t = runs[0]
     return dataclasses.replace(t, prefill_s=statistics.median(r.prefill_s for r in runs),
                                decode_s=statistics.median(r.decode_s for r in runs),
-                               decode_runs_s=[r.decode_s for r in runs],
+                               decode_runs_s=[r.decode_s for r in runs], dense_pair_s=list(pairs or []),
                                step_s=sorted(s for r in runs for s in r.step_s))
 
 
@@ -173,9 +175,13 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     """Run dense and each method on the same prompt. Returns ({method: trace}, {method: figures});
     `on_result(trace)` is called as each method finishes (the figures need dense's second run).
     `should_stop()` is asked at every token of every run (warm-up included): True raises Cancelled.
-    `repeats` > 1: after that first pass, repeats - 1 more passes (dense, then each method), and
-    every method's times are its medians over its passes (the tokens are the same each pass);
-    `on_pass(i)` is called as pass i (2..repeats) starts."""
+
+    Timing: the first pass runs dense, every method (streamed), dense again; each method's run is
+    paired with the mean of those two dense runs. `repeats` > 1: repeats - 1 more passes, in which
+    every method's run is followed by a dense run, so each is paired with the dense runs just before
+    and after it (as in `bench`); `on_pass(i)` is called as pass i (2..repeats) starts. A method's
+    decode speedup is the median of its paired ratios (`metrics.decode_speedup`), its other times the
+    medians of its passes; dense's times are the medians of all its runs (the tokens are the same)."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
@@ -197,15 +203,17 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         traces[name] = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(name))
         if on_result is not None:
             on_result(traces[name])
-    if len(names) > 1:  # dense again after the methods: its times are the median of both runs
+    if len(names) > 1:  # dense again after the methods: the first pass's pair is the mean of both runs
         dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
     passes = {name: [traces[name]] for name in names[1:]}
-    for i in range(2, repeats + 1):  # timing only: interleaved again, medians
+    pairs = {name: [(dense_runs[0].decode_s + dense_runs[-1].decode_s) / 2] for name in names[1:]}
+    for i in range(2, repeats + 1):  # timing only: each method between two dense runs
         if on_pass is not None:
             on_pass(i)
-        for name in ["dense", *names[1:]]:
-            t = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None))
-            (dense_runs if name == "dense" else passes[name]).append(t)
-    traces.update({name: _median_times(p) for name, p in passes.items()})
+        for name in names[1:]:
+            passes[name].append(run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None)))
+            dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
+            pairs[name].append((dense_runs[-2].decode_s + dense_runs[-1].decode_s) / 2)
+    traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}

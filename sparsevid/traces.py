@@ -99,6 +99,9 @@ class Trace:
     where neither can be measured). config: the
     method's settings as it ran (its dataclass fields, and γ / refresh for a draft). decode_runs_s:
     with repeated timing passes, each pass's decode time in the order run (decode_s is their median).
+    dense_pair_s: for each of those passes, the decode time of dense it is compared with: the mean of
+    the dense runs just before and just after it (`runs.compare`, `bench`), so that a drift of the
+    machine's speed over the runs cancels to first order.
     """
 
     method: str
@@ -119,6 +122,7 @@ class Trace:
     peak_memory_source: str | None = None
     config: dict = field(default_factory=dict)
     decode_runs_s: list[float] = field(default_factory=list)  # each timing pass's decode time (runs.compare)
+    dense_pair_s: list[float] = field(default_factory=list)  # the dense decode time each pass is paired with
 
     @property
     def total_s(self) -> float:

@@ -117,27 +117,31 @@ def test_compare_reports_figures(inputs_for):
 
 
 def test_compare_repeats_times_every_method_again_and_takes_medians(inputs_for):
-    """`repeats`: more interleaved passes of dense and each method; the same tokens, each method's
-    times the median over its passes (so not the first pass's, unless it was the median)."""
+    """`repeats`: more passes, each method's run between two dense runs; the same tokens, each
+    method's times the median over its passes (so not the first pass's, unless it was the median),
+    its decode speedup the median of its runs against the dense runs around them."""
     loaded, inputs = inputs_for("qwen2_vl")
     passes, results = [], []
-    traces, figures = compare(loaded, inputs, "std", {"k": "0.5"}, max_new_tokens=12, repeats=3,
+    traces, figures = compare(loaded, inputs, "std,layerskip", {"k": "0.5"}, max_new_tokens=12, repeats=3,
                               on_pass=passes.append, on_result=results.append)
-    assert passes == [2, 3] and [t.method for t in results] == ["dense", "std"]  # streamed once, then timed
+    assert passes == [2, 3] and [t.method for t in results] == ["dense", "std", "layerskip"]  # streamed once
     assert traces["std"].token_ids == traces["dense"].token_ids == results[1].token_ids
-    # dense ran before and after the methods, then once per extra pass: its steps are all four runs'
-    assert len(traces["dense"].step_s) == 4 * len(results[0].step_s) > 0
+    # dense ran before and after the streamed methods, then after each method of each extra pass
+    d = traces["dense"].decode_runs_s
+    assert len(d) == 2 + 2 * 2 and len(traces["dense"].step_s) == 6 * len(results[0].step_s) > 0
     assert figures["std"]["identical_to_dense"]
-    # each pass's times are kept, and the card's range spans the per-pass ratios around the median
-    assert len(traces["std"].decode_runs_s) == 3 and len(traces["dense"].decode_runs_s) == 4
-    lo, hi = figures["std"]["speedup_range"]
-    assert lo <= hi and lo > 0
-    d, s = traces["dense"].decode_runs_s, traces["std"].decode_runs_s
-    per_token = traces["std"].decode_tokens / traces["dense"].decode_tokens
-    paired = [d[i + 1] / s[i] * per_token for i in range(3)]
-    assert min(paired) == pytest.approx(lo)
-    # the headline figure is bench's statistic: the median of the paired ratios, inside the range
-    assert figures["std"]["speedup"] == pytest.approx(sorted(paired)[1])
+    # run order: d0 std layerskip d1 | std d2 layerskip d3 | std d4 layerskip d5
+    around = {"std": [(d[0], d[1]), (d[1], d[2]), (d[3], d[4])],
+              "layerskip": [(d[0], d[1]), (d[2], d[3]), (d[4], d[5])]}
+    for name in ("std", "layerskip"):
+        t = traces[name]
+        assert len(t.decode_runs_s) == 3 and t.dense_pair_s == pytest.approx([(a + b) / 2 for a, b in around[name]])
+        per_token = t.decode_tokens / traces["dense"].decode_tokens
+        paired = [p / r * per_token for p, r in zip(t.dense_pair_s, t.decode_runs_s)]
+        lo, hi = figures[name]["speedup_range"]
+        assert (lo, hi) == pytest.approx((min(paired), max(paired))) and lo > 0
+        # the headline figure is bench's statistic: the median of the paired ratios, inside the range
+        assert figures[name]["speedup"] == pytest.approx(sorted(paired)[1])
 
 
 def first_tokens(n, runner):
