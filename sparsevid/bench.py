@@ -53,9 +53,10 @@ def add_arguments(p) -> None:
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
                    "verification's rows over the whole cache (the embedded model's head shape, --visual-tokens) and "
                    "their error against float64")
-    p.add_argument("--examples", action="store_true", help="the app's check: every bundled example (at its frame "
-                   "count) timed as the app times it (`runs.compare`, --repeats passes) and as bench does (--repeats "
-                   "pairs), the two decode speedups side by side")
+    p.add_argument("--examples", nargs="?", const="bundled", default=None, metavar="FOLDER",
+                   help="the app's check: every example of FOLDER's examples.json (default the bundled ones), at its "
+                        "frame count, timed as the app times it (`runs.compare`, --repeats passes) and as bench does "
+                        "(--repeats pairs), the two decode speedups side by side")
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true")
 
@@ -227,7 +228,7 @@ def examples_check(args, loaded, names: list, settings: dict) -> int:
     from .runs import compare
     from .video import load_video
 
-    folder = os.path.join(ASSETS, "examples")
+    folder = os.path.join(ASSETS, "examples") if args.examples == "bundled" else args.examples
     with open(os.path.join(folder, "examples.json")) as f:
         examples = json.load(f)
     decoding = Sampling(ignore_eos=args.ignore_eos)

@@ -427,6 +427,29 @@ def test_app_and_cli_report_the_same_figures():
     assert other.error is None and "expected answer" not in other.status  # same video, another question
 
 
+def test_bench_examples_puts_the_apps_figure_beside_benchs(tmp_path):
+    """`bench --examples FOLDER`: each example timed the app's way and bench's way, side by side; an
+    example too short for a decode ratio gets none from either."""
+    import shutil
+
+    ex = {e["file"]: e for e in demo.load_examples()}
+    if "toy_describe.mp4" not in ex or "toy_colour.mp4" not in ex or not os.path.exists(_appserver.EMBEDDED_CONFIG):
+        pytest.skip("the embedded model or the bundled examples are missing")
+    chosen = [ex["toy_describe.mp4"], ex["toy_colour.mp4"]]
+    for e in chosen:
+        shutil.copy(e["path"], tmp_path / e["file"])
+    (tmp_path / "examples.json").write_text(json.dumps([{k: v for k, v in e.items() if k != "path"} for e in chosen]))
+    out = _cli_json(["bench", "--examples", str(tmp_path), "--methods", "std", "--repeats", "2", "--compile", "off",
+                     "--json"])
+    rows = {r["example"]: r for r in out["rows"]}
+    assert set(rows) == {"toy_describe.mp4", "toy_colour.mp4"} and out["repeats"] == 2
+    d, c = rows["toy_describe.mp4"], rows["toy_colour.mp4"]
+    assert d["frames"] == 32 and d["tokens"] >= 5 and d["method"] == "std"
+    assert d["app"] > 0 and d["bench"] > 0 and d["ratio"] == pytest.approx(d["app"] / d["bench"])
+    assert d["app_range"][0] <= d["app"] <= d["app_range"][1]
+    assert c["app"] is None and c["bench"] is None and c["ratio"] is None  # "red": one token
+
+
 # ------------------------------------------------------------------------------------------------
 # The running app, through gradio_client
 
