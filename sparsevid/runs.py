@@ -171,7 +171,8 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
             on_token: Callable[[str, int], None] | None = None,
             on_result: Callable[[Trace], None] | None = None, warmup: bool = True,
             should_stop: Callable[[], bool] | None = None, repeats: int = 1,
-            on_pass: Callable[[int], None] | None = None) -> tuple[dict[str, Trace], dict[str, dict]]:
+            on_pass: Callable[[int], None] | None = None, max_repeats: int | None = None,
+            budget_s: float = 0.0) -> tuple[dict[str, Trace], dict[str, dict]]:
     """Run dense and each method on the same prompt. Returns ({method: trace}, {method: figures});
     `on_result(trace)` is called as each method finishes (the figures need dense's second run).
     `should_stop()` is asked at every token of every run (warm-up included): True raises Cancelled.
@@ -179,7 +180,10 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     Timing: the first pass runs dense, every method (streamed), dense again; each method's run is
     paired with the mean of those two dense runs. `repeats` > 1: repeats - 1 more passes, in which
     every method's run is followed by a dense run, so each is paired with the dense runs just before
-    and after it (as in `bench`); `on_pass(i)` is called as pass i (2..repeats) starts. A method's
+    and after it (as in `bench`); `on_pass(i)` is called as pass i (2..repeats) starts. With
+    `max_repeats` > repeats, passes go on beyond `repeats` up to `max_repeats` while the timing
+    passes so far and one more as long as the last fit in `budget_s` seconds (more pairs where they
+    are cheap: short clips and answers). A method's
     decode speedup is the median of its paired ratios (`metrics.decode_speedup`), its other times the
     medians of its passes; dense's times are the medians of all its runs (the tokens are the same)."""
     names = parse_methods(names)
@@ -207,13 +211,16 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
     passes = {name: [traces[name]] for name in names[1:]}
     pairs = {name: [(dense_runs[0].decode_s + dense_runs[-1].decode_s) / 2] for name in names[1:]}
-    for i in range(2, repeats + 1):  # timing only: each method between two dense runs
-        if on_pass is not None:
+    start, last, i = time.perf_counter(), 0.0, 2
+    while len(names) > 1 and (i <= repeats or (i <= (max_repeats or 0) and time.perf_counter() - start + last <= budget_s)):
+        if on_pass is not None:  # timing only: each method between two dense runs
             on_pass(i)
+        t0, i = time.perf_counter(), i + 1
         for name in names[1:]:
             passes[name].append(run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None)))
             dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
             pairs[name].append((dense_runs[-2].decode_s + dense_runs[-1].decode_s) / 2)
+        last = time.perf_counter() - t0
     traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}

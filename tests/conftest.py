@@ -11,6 +11,9 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPARSEVID_COMPILE", "off")  # the app's background compile: only where a test asks
+# the app's timing passes: its minimum (3) only, not more within its 20 s budget (test time; the budget
+# itself is tested on runs.compare)
+os.environ.setdefault("SPARSEVID_TIMING_BUDGET_S", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -144,6 +144,17 @@ def test_compare_repeats_times_every_method_again_and_takes_medians(inputs_for):
         assert figures[name]["speedup"] == pytest.approx(sorted(paired)[1])
 
 
+def test_compare_times_more_passes_while_they_fit_in_the_budget(inputs_for):
+    """`max_repeats` and `budget_s`: at least `repeats` passes, more up to `max_repeats` while they fit."""
+    loaded, inputs = inputs_for("qwen2_vl")
+    for budget, want in ((0.0, 2), (600.0, 4)):
+        passes = []
+        traces, figures = compare(loaded, inputs, "std", {"k": "0.5"}, max_new_tokens=8, repeats=2, max_repeats=4,
+                                  budget_s=budget, on_pass=passes.append)
+        assert passes == list(range(2, want + 1)) and len(traces["std"].decode_runs_s) == want
+        assert len(traces["std"].dense_pair_s) == want and len(traces["dense"].decode_runs_s) == want + 1
+
+
 def first_tokens(n, runner):
     return [tuple(runner(Sampling(temperature=1.0, seed=seed)).token_ids[:3]) for seed in range(n)]
 

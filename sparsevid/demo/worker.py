@@ -23,13 +23,15 @@ from .. import runs
 from ..runs import compare, prompt_info
 from ..video import load_video
 from . import backend
-from .config import FRAMES, MAX_MINUTES, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_UPLOAD_MB, TIMING_REPEATS, \
-    find_example, sampled_boxes, settings_from
+from .config import FRAMES, MAX_MINUTES, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_UPLOAD_MB, TIMING_BUDGET_S, \
+    TIMING_MAX_REPEATS, TIMING_REPEATS, find_example, sampled_boxes, settings_from
 from .panels import NO_SPEEDUP, View, all_panels, build_view, fmt_bytes
 from .scope import scope_note
 from ..traces import to_plain
 
 log = logging.getLogger("sparsevid.demo")
+PASSES = (f"{TIMING_REPEATS} passes" if TIMING_MAX_REPEATS <= TIMING_REPEATS else
+          f"{TIMING_REPEATS} to {TIMING_MAX_REPEATS} passes, more while they fit in {TIMING_BUDGET_S:g} s")
 
 
 @dataclass
@@ -223,9 +225,9 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
                 events.put(("ready", None, (loaded, inputs, run, skipped)))
                 out = compare(loaded, inputs, run, settings, max_new_tokens, on_token=on_token,
                               on_result=lambda t: events.put(("result", t.method, t)), should_stop=stop.is_set,
-                              repeats=TIMING_REPEATS, on_pass=lambda i: events.put(
-                                  ("status", None, f"Answers done; timing pass {i} of {TIMING_REPEATS} (speedups "
-                                                   f"are medians over {TIMING_REPEATS} passes)…")))
+                              repeats=TIMING_REPEATS, max_repeats=TIMING_MAX_REPEATS, budget_s=TIMING_BUDGET_S,
+                              on_pass=lambda i: events.put(("status", None, f"Answers done; timing pass {i} ({PASSES}; "
+                                                                            "speedups are medians over the passes)…")))
                 events.put(("done", None, out))
             except (Cancelled, runs.Cancelled):
                 log.info("run cancelled")
@@ -332,8 +334,9 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
     total_s = time.perf_counter() - t0
     timing = (f"first token after **{first_token_s:.2f} s**, full comparison in **{total_s:.2f} s**"
               if first_token_s is not None else f"done in {total_s:.2f} s")
-    if TIMING_REPEATS > 1:
-        timing += f" (speed figures: medians over {TIMING_REPEATS} passes of every method)"
+    passes = max((len(t.decode_runs_s) for t in results.values() if t.kind != "dense"), default=0)
+    if passes > 1:
+        timing += f" (speed figures: medians over {passes} passes of every method; {PASSES})"
     log.info("run: %d methods, first token %.2f s, total %.2f s", len(run), first_token_s or -1, total_s)
     yield Update(status=_prefix(note) + info + "<br>" + timing, cards=cards(), progress=(1.0, "done"), view=view,
                  figures=panels, traces=results, note=note, result=result)
