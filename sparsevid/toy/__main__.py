@@ -33,6 +33,10 @@ def main(argv=None) -> int:
     tr.add_argument("--refine", default=None, metavar="FOLDER",
                     help="issue 22's second fine-tune of the model in FOLDER (the --finetune output): the vision "
                          "tower re-trained on random styles, then narration-heavy answer training (train.REFINE)")
+    tr.add_argument("--polish", default=None, metavar="FOLDER",
+                    help="fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
+                         "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH; "
+                         "the shipped weights: --seed 1)")
     tr.add_argument("--style-prob", type=float, default=None,
                     help="share of training clips in a random style (default 0; --randomise: 0.8)")
     tr.add_argument("--narration-prob", type=float, default=None,
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import FINETUNE, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
+        from .train import FINETUNE, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -84,6 +88,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **FINETUNE, init_from=a.finetune)
         if a.refine:
             cfg = replace(cfg, **REFINE, init_from=a.refine)
+        if a.polish:
+            cfg = replace(cfg, **POLISH, init_from=a.polish)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
