@@ -35,8 +35,8 @@ def main(argv=None) -> int:
                          "tower re-trained on random styles, then narration-heavy answer training (train.REFINE)")
     tr.add_argument("--polish", default=None, metavar="FOLDER",
                     help="fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
-                         "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH; "
-                         "the shipped weights: --seed 1)")
+                         "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH, "
+                         "with --seed 1; measured no better than its parent, not shipped)")
     tr.add_argument("--style-prob", type=float, default=None,
                     help="share of training clips in a random style (default 0; --randomise: 0.8)")
     tr.add_argument("--narration-prob", type=float, default=None,
