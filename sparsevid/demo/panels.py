@@ -39,7 +39,8 @@ PANEL_HELP = {  # one line under each panel: how to read it
               "text and the round's times.",
     "speed": "How to read this: left, speed as a ratio to dense (higher is better; decode speedup is per decoded "
              "token, none under 4 decoded tokens); right, KV memory held at the end as a ratio to dense (lower is "
-             "better). Dense runs before and after the methods; its times are the median.",
+             "better). Every method run lies between two dense runs and is compared with their mean; the figure is the "
+             "median over the timing passes, the card gives their range.",
     "costs": "How to read this: left, the measured time of one step of each kind in this run; right, each speculative "
              "method's measured decode speedup beside the bound σ = Ω / (γ·c + v) from those step costs (MagicDec's "
              "form) at the measured acceptance and at acceptance 1, and the I/O model's prediction.",
