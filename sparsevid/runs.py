@@ -181,11 +181,11 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     paired with the mean of those two dense runs. `repeats` > 1: repeats - 1 more passes, in which
     every method's run is followed by a dense run, so each is paired with the dense runs just before
     and after it (as in `bench`); `on_pass(i)` is called as pass i (2..repeats) starts. With
-    `max_repeats` > repeats, passes go on beyond `repeats` up to `max_repeats` while the timing
-    passes so far and one more as long as the last fit in `budget_s` seconds (more pairs where they
-    are cheap: short clips and answers). A method's
-    decode speedup is the median of its paired ratios (`metrics.decode_speedup`), its other times the
-    medians of its passes; dense's times are the medians of all its runs (the tokens are the same)."""
+    `max_repeats` > repeats, more passes follow, up to `max_repeats`, while the timing passes so far
+    plus one more as long as the last fit in `budget_s` seconds (more pairs where they are cheap:
+    short clips and answers). A method's decode speedup is the median of its paired ratios
+    (`metrics.decode_speedup`), its other times the medians of its passes; dense's times are the
+    medians of all its runs (the tokens are the same)."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
