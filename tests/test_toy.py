@@ -648,3 +648,28 @@ def test_finetune_starts_from_the_checkpoint_with_rows_moved_by_token_string(nar
         if text in old_vocab:
             assert torch.equal(new[emb][i], old[emb][old_vocab[text]]) and \
                 torch.equal(new["lm_head.weight"][i], old["lm_head.weight"][old_vocab[text]])
+
+
+def test_attribute_weighted_answer_loss():
+    """`--attr-weight`: the attribute words' tokens of the shipped tokenizer, and a CE that is the
+    model's own at weight 1 and counts those targets `weight` times otherwise."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sparsevid.toy.train import attribute_token_ids, weighted_answer_loss
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = set(attribute_token_ids(tok).tolist())
+    assert {tok.convert_tokens_to_ids(t) for t in ("Ġtop", "Ġred", "Ġcircle", "Ġthroughout")} <= ids
+    assert tok.convert_tokens_to_ids("Ġthe") not in ids and tok.convert_tokens_to_ids("Ġmoves") not in ids
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, len(tok), generator=g)
+    labels = torch.tensor([[-100, -100, 5, 7, 9, -100], [-100, 3, 4, 5, 6, 7]])
+    plain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, len(tok)), labels[:, 1:].reshape(-1))
+    attr = torch.tensor([5])
+    assert torch.allclose(weighted_answer_loss(logits, labels, attr, 1.0), plain)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, len(tok)), labels[:, 1:].reshape(-1),
+                                           reduction="none")
+    y = labels[:, 1:].reshape(-1)
+    w = (y != -100).float() + 2.0 * (y == 5)
+    assert torch.allclose(weighted_answer_loss(logits, labels, attr, 3.0), (ce * w).sum() / w.sum())

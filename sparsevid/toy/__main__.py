@@ -37,6 +37,8 @@ def main(argv=None) -> int:
                     help="fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
                          "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH, "
                          "with --seed 1; measured no better than its parent, not shipped)")
+    tr.add_argument("--attr-weight", type=float, default=None,
+                    help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
                     help="share of training clips in a random style (default 0; --randomise: 0.8)")
     tr.add_argument("--narration-prob", type=float, default=None,
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
             cfg = replace(cfg, narration_prob=a.narration_prob)
+        if a.attr_weight is not None:
+            cfg = replace(cfg, attr_weight=a.attr_weight)
         if a.tiny:
             cfg = replace(cfg, **TINY)
         elif a.scale != 1.0:

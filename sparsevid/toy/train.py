@@ -102,6 +102,9 @@ class TrainConfig:
     # never the held-out family); the rest use the original renderer
     narration_prob: float = 0.0  # share of answer-training questions that ask for a narration (and the
     # tokenizer learns the narration words)
+    # cross-entropy weight of the answer tokens naming a colour, shape, direction or time (1: plain
+    # CE). Narration misses were mostly one such word of a later sentence (its direction, its shape)
+    attr_weight: float = 1.0
     init_from: str = ""  # fine-tune: start from this checkpoint's weights (a folder) instead of a fresh
     # model; the tokenizer is this config's, and embedding / LM-head rows move over by token string
 
@@ -139,6 +142,25 @@ POLISH = dict(REFINE, stage1_steps=0, stage2_steps=1500, stage3_steps=1700, stag
               narration_prob=0.5, style_prob=0.8, single_start=0.1, single_end=0.1)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
+
+
+ATTRIBUTE_WORDS = frozenset([*COLOURS, *SHAPES, "right", "left", "top", "bottom", "up", "down", "beginning", "middle",
+                             "end", "throughout"])
+
+
+def attribute_token_ids(tok) -> torch.Tensor:
+    """The ids of the tokens that spell one attribute word alone ("red", " red", " top", ...)."""
+    return torch.tensor(sorted(i for i in tok.get_vocab().values()
+                               if tok.decode([i]).strip().lower() in ATTRIBUTE_WORDS), dtype=torch.long)
+
+
+def weighted_answer_loss(logits: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor, weight: float) -> torch.Tensor:
+    """Next-token cross-entropy (logits [B, L, V], labels [B, L], -100 ignored) with the targets in
+    `ids` weighted `weight` and the others 1: the mean over the weights."""
+    y = labels[:, 1:].reshape(-1)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y, ignore_index=-100, reduction="none")
+    w = torch.where(torch.isin(y, ids), weight, 1.0) * (y != -100)
+    return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
 class AuxHeads(torch.nn.Module):
@@ -478,6 +500,7 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
     tok_obj, tok, special, model = build_tokenizer_and_model(cfg)
     if cfg.init_from:
         print(f"initialised from {cfg.init_from}: {init_from_checkpoint(model, tok, cfg.init_from)}", flush=True)
+    attr_ids = attribute_token_ids(tok)
     aux = AuxHeads(cfg.hidden)
     model.train()
     grab = {}
@@ -515,7 +538,9 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         out, lg = forward_with_grounding(model, batch, encs, cfg.grounded_heads, cfg.copy_heads,
                                          output_hidden_states=cfg.readout_weight > 0)
         la, accs = aux(grab["v"], torch.from_numpy(np.concatenate([e.aux for e in encs])))
-        loss = out.loss + cfg.aux_weight * la + att_weight * lg
+        lm = out.loss if cfg.attr_weight == 1.0 else weighted_answer_loss(out.logits, batch["labels"], attr_ids,
+                                                                          cfg.attr_weight)
+        loss = lm + cfg.aux_weight * la + att_weight * lg
         lro = torch.zeros(())
         if cfg.readout_weight > 0:
             qs = [(b, q) for b, e in enumerate(encs) for q in e.questions]
