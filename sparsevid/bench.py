@@ -8,7 +8,6 @@ sparse draft step and a γ+1 verification over 4k–32k visual tokens.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from .errors import InputError
 from .fast import enable, state
 from .methods import check_settings, parse_methods
 from .models import load_model
-from .runs import figures, run_method, warm_up
+from .runs import dense_pair_s, figures, run_method, warm_up
 from .tables import cell, markdown_table
 
 ROW_FIELDS = ("speedup", "acceptance", "tokens_per_round", "identical_to_dense", "kv_ratio", "predicted_speedup",
@@ -215,7 +214,7 @@ def paired_runs(loaded, inputs, name: str, settings, args, decoding, on_dense=No
             on_dense(dense)
         res = run_method(loaded, inputs, name, settings, args.max_new_tokens, decoding)
         after = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
-        res.decode_runs_s, res.dense_pair_s = [res.decode_s], [(dense.decode_s + after.decode_s) / 2]
+        res.decode_runs_s, res.dense_pair_s = [res.decode_s], [dense_pair_s(dense, after)]
         out.append(dict(figures(res, dense, loaded, inputs), tokens=len(res.token_ids)))
     return out, res, after
 
@@ -224,18 +223,18 @@ def examples_check(args, loaded, names: list, settings: dict) -> int:
     """Issue 23's check: on every bundled example, the decode speedup the app shows (`runs.compare`
     with the app's timing passes, `demo.config.TIMING_*`; its median and range) beside bench's (the median of --repeats pairs on the
     same input, timed right after), and whether they agree within 15 %."""
-    from .demo.config import TIMING_BUDGET_S, TIMING_MAX_REPEATS, TIMING_REPEATS
-    from .models import ASSETS
+    from .demo.config import EXAMPLES_DIR, TIMING_BUDGET_S, TIMING_MAX_REPEATS, TIMING_REPEATS, load_examples
     from .runs import compare
     from .video import load_video
 
-    folder = os.path.join(ASSETS, "examples") if args.examples == "bundled" else args.examples
-    with open(os.path.join(folder, "examples.json")) as f:
-        examples = json.load(f)
+    folder = EXAMPLES_DIR if args.examples == "bundled" else args.examples
+    examples = load_examples(folder)
+    if not examples:
+        raise InputError(f"No examples with their clips in {folder}/examples.json.")
     decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
     for e in tqdm(examples, desc="examples", file=sys.stderr):
-        vid = load_video(os.path.join(folder, e["file"]), int(e["frames"]))
+        vid = load_video(e["path"], int(e["frames"]))
         inputs = loaded.adapter.build_inputs(vid.frames, e["question"], vid.timestamps).to(loaded.device)
         traces, figs = compare(loaded, inputs, names, settings, args.max_new_tokens, decoding, repeats=TIMING_REPEATS,
                                max_repeats=TIMING_MAX_REPEATS, budget_s=TIMING_BUDGET_S)  # as the app times it

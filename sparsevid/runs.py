@@ -156,6 +156,12 @@ def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None]
     decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token)
 
 
+def dense_pair_s(before: Trace, after: Trace) -> float:
+    """The dense decode time a method's run is compared with: the mean of the dense runs just before
+    and just after it (`Trace.dense_pair_s`; `compare` and `bench` pair the same way)."""
+    return (before.decode_s + after.decode_s) / 2
+
+
 def _median_times(runs: list[Trace], pairs: list[float] | None = None) -> Trace:
     """The first run, with prefill and decode times the medians over `runs` (same tokens), each
     run's decode time kept and, for a method, the dense decode time each run is paired with."""
@@ -210,7 +216,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     if len(names) > 1:  # dense again after the methods: the first pass's pair is the mean of both runs
         dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
     passes = {name: [traces[name]] for name in names[1:]}
-    pairs = {name: [(dense_runs[0].decode_s + dense_runs[-1].decode_s) / 2] for name in names[1:]}
+    pairs = {name: [dense_pair_s(dense_runs[0], dense_runs[-1])] for name in names[1:]}
     start, last, i = time.perf_counter(), 0.0, 2
     while len(names) > 1 and (i <= repeats or (i <= (max_repeats or 0) and time.perf_counter() - start + last <= budget_s)):
         if on_pass is not None:  # timing only: each method between two dense runs
@@ -219,7 +225,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         for name in names[1:]:
             passes[name].append(run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None)))
             dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
-            pairs[name].append((dense_runs[-2].decode_s + dense_runs[-1].decode_s) / 2)
+            pairs[name].append(dense_pair_s(dense_runs[-2], dense_runs[-1]))
         last = time.perf_counter() - t0
     traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
