@@ -508,6 +508,24 @@ def test_narration_answers_and_scores():
     assert not sc["whole"] and sc["sentences"] == pytest.approx(1 / 3) and sc["objects"] == 1
     sc = score_narration("There are two objects. A red circle moves to the left at the beginning of the video.", ref)
     assert sc["objects"] == 0 and sc["count_ok"] and sc["n_pred"] == 2
+    assert sc["at_place"] == [True, False, False]
+
+
+def test_seen_moving_is_whether_a_frame_pair_holds_two_frames_of_the_object():
+    """The eval splits narration sentences by it: an object visible in frames 7 and 8 only lies in
+    two frame pairs (the temporal patch), one frame in each, so no visual token sees it move."""
+    from sparsevid.toy.clips import ToyObject
+    from sparsevid.toy.questions import seen_moving
+
+    def obj(frames, T=16):
+        boxes = np.full((T, 4), -1, dtype=np.int32)
+        boxes[list(frames)] = (10, 10, 30, 30)
+        return ToyObject(0, "red", "circle", "left", 20, min(frames), max(frames) + 1, boxes, len(frames) == T)
+
+    assert not seen_moving(obj([7, 8]), 16) and not seen_moving(obj([1, 2]), 16)
+    assert seen_moving(obj([8, 9]), 16) and seen_moving(obj([7, 8, 9]), 16) and seen_moving(obj(range(16)), 16)
+    assert not seen_moving(obj([15]), 16)  # one frame: nothing moves
+    assert not seen_moving(obj([14]), 15)  # the last frame of an odd clip pairs with a copy of itself
 
 
 def test_narration_grounding_by_sentence():
@@ -624,6 +642,23 @@ def test_shipped_model_narrates_and_ends_cleanly_on_any_rendering():
     # a floor, not the model card's figures (0.56-0.76 of sentences on 8 narrations per set)
     assert sum(r["narration"]["sentences"] for r in res.values()) / len(res) >= 0.4
     assert sum(r["accuracy"]["dense"]["overall"] for r in res.values()) / len(res) >= 0.6
+    # the object sentences, split by whether a frame pair shows their object moving, are all there
+    assert all(r["narration"]["n_moving"] + r["narration"]["n_glimpsed"] >= 2 for r in res.values())
+    from sparsevid.toy.evaluate import format_report
+
+    assert "== summary (dense)" in format_report(res)
+
+
+def test_report_of_narrations_alone():
+    """`toy eval --types narrate` with several style sets: the summary has no short answers to report."""
+    _shipped()
+    from sparsevid.toy.evaluate import evaluate_styles, format_report
+    from sparsevid.toy.questions import NARRATE
+
+    res = evaluate_styles(DEFAULT_MODEL_DIR, styles=("default", "held-out"), n=2, frames=[16], qtypes=[NARRATE],
+                          threads=1, progress=False)
+    text = format_report(res)
+    assert "narration whole" in text and "without narrations" not in text
 
 
 @pytest.mark.parametrize("narration", [False, True])
@@ -673,3 +708,16 @@ def test_attribute_weighted_answer_loss():
     y = labels[:, 1:].reshape(-1)
     w = (y != -100).float() + 2.0 * (y == 5)
     assert torch.allclose(weighted_answer_loss(logits, labels, attr, 3.0), (ce * w).sum() / w.sum())
+
+
+def test_direction_probe_reads_motion_from_tokens_that_see_it(capsys):
+    """`python -m sparsevid.toy probe`: a linear probe on the shipped tower's tokens reads the
+    direction of objects the token sees in both its frames (what every short direction question
+    relies on), and reports the other groups beside it."""
+    from sparsevid.toy.__main__ import main
+
+    assert main(["probe", "--n", "200", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(res) <= {"two_frame_tokens", "one_frame_tokens", "glimpsed_objects"}
+    assert res["two_frame_tokens"]["accuracy"] > 0.8 and res["two_frame_tokens"]["n_test"] > 500
+    assert 0.0 <= res["one_frame_tokens"]["accuracy"] <= 1.0 and res["one_frame_tokens"]["n_test"] > 50

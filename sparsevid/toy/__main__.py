@@ -68,6 +68,12 @@ def main(argv=None) -> int:
     me.add_argument("--out", required=True)
     me.add_argument("--frames", default="16,32,64,128", help="comma list of clip lengths, cycled")
     me.add_argument("--seed", type=int, default=None, help="first clip seed (default 2.1e9: disjoint from training)")
+    pr = sub.add_parser("probe", help="linear probes of motion direction in the vision tower's output (what a "
+                                      "visual token can tell of its object's direction)")
+    pr.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    pr.add_argument("--n", type=int, default=1500, help="clips (a fifth of them held out for scoring)")
+    pr.add_argument("--frames", default="8,16", help="comma list of clip lengths, cycled")
+    pr.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
 
     if a.cmd == "make-eval":
@@ -134,6 +140,17 @@ def main(argv=None) -> int:
             print(json.dumps(res))
         else:
             print(format_report(res))
+        return 0
+    if a.cmd == "probe":
+        from .probe import direction_probes
+
+        res = direction_probes(a.model, n_train=a.n - a.n // 5, n_test=a.n // 5,
+                               frames=[int(f) for f in a.frames.split(",") if f], progress=not a.json)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            for k, r in res.items():
+                print(f"{k:18s} direction read by a linear probe: {r['accuracy']:.2f} (n={r['n_test']}, chance 0.25)")
         return 0
     if a.cmd == "examples":
         from .examples import write_examples

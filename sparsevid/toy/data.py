@@ -55,8 +55,9 @@ def _pad_time(a: np.ndarray, tp: int = 2) -> np.ndarray:
     return a
 
 
-def token_labels(clip: Clip, gt: int, mh: int, mw: int) -> np.ndarray:
-    """Per merged visual token: colour+1, shape+1, direction+1 of the object under it (0 none), phase."""
+def object_cover(clip: Clip, gt: int, mh: int, mw: int) -> dict:
+    """Per object id: its pixels in each merged token's cell in each of the token's two frames,
+    [gt, 2, mh * mw] (frames the preprocessing resizes: in its pixels)."""
     cell = PATCH * MERGE
     idm = _pad_time(clip.idmap)
     H, W = idm.shape[1:]
@@ -65,12 +66,19 @@ def token_labels(clip: Clip, gt: int, mh: int, mw: int) -> np.ndarray:
         ci = np.minimum(((np.arange(mw * cell) + 0.5) * W / (mw * cell)).astype(int), W - 1)
         idm = idm[:, ri][:, :, ci]
     idm = idm[:, : mh * cell, : mw * cell]
+    return {o.id: (idm == o.id).reshape(gt, 2, mh, cell, mw, cell).sum(axis=(3, 5)).reshape(gt, 2, mh * mw)
+            for o in clip.objects}
+
+
+def token_labels(clip: Clip, gt: int, mh: int, mw: int) -> np.ndarray:
+    """Per merged visual token: colour+1, shape+1, direction+1 of the object under it (0 none), phase."""
     T = clip.n_frames
     n = gt * mh * mw
     out = np.zeros((n, 4), dtype=np.int64)
     best = np.zeros(n, dtype=np.int64)
+    cover = object_cover(clip, gt, mh, mw)
     for o in clip.objects:
-        c = (idm == o.id).reshape(gt, 2, mh, cell, mw, cell).sum(axis=(1, 3, 5)).reshape(-1)
+        c = cover[o.id].sum(1).reshape(-1)
         sel = (c >= MIN_COVER) & (c > best)
         best = np.where(sel, c, best)
         out[sel, 0] = COLOURS.index(o.colour) + 1

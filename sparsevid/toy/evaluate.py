@@ -37,7 +37,8 @@ import torch
 from dataclasses import replace
 
 from .clips import LEGACY, SHORT_MAX, sample_style
-from .questions import NARRATE, QTYPES, make_sample, normalise, repeats_3gram_3x, score_narration
+from .questions import (NARRATE, QTYPES, make_sample, narration_order, normalise, repeats_3gram_3x, score_narration,
+                        seen_moving)
 from .tokenizer import SPECIAL_TOKENS
 
 EVAL_SEED_BASE = 1_700_000_000
@@ -212,6 +213,11 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
                         narr[k].append(float(sc[k]))
                     narr[f"len:{length}:sentences"].append(sc["sentences"])
                     narr[f"len:{length}:whole"].append(float(sc["whole"]))
+                    # object sentences by whether a token of the model sees the object move
+                    moving = [seen_moving(o, f) for o in narration_order(s.clip)]
+                    for mv, hit in zip(moving, sc["at_place"][1:]):
+                        narr["moving_sentences" if mv else "glimpsed_sentences"].append(float(hit))
+                    narr["whole_all_moving" if all(moving) else "whole_with_glimpsed"].append(float(sc["whole"]))
                 records.append({"frames": f, "qtype": s.qtype, "question": s.question, "answer": s.answer,
                                 "pred": pred, "ok": bool(ok), "degenerate": deg, "ended": ended,
                                 "n_objects": len(s.clip.objects), **facets})
@@ -244,7 +250,10 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
             "box_hit_rate": float(np.mean(hit_all)),
             "box_hit_rate_random": float(np.mean(rnd_all)),
         },
-        "narration": {k: float(np.mean(v)) for k, v in narr.items()} | {"n": len(narr["whole"])} if narr else None,
+        "narration": {k: float(np.mean(v)) for k, v in narr.items()}
+        | {"n": len(narr["whole"]), "n_moving": len(narr["moving_sentences"]),
+           "n_glimpsed": len(narr["glimpsed_sentences"]), "n_with_glimpsed": len(narr["whole_with_glimpsed"])}
+        if narr else None,
         "degenerate": {"loops": int(sum(degenerate)), "no_end": int(sum(no_eos)), "n": len(degenerate)},
         "settings": {"model": os.path.abspath(model_dir), "n": n, "frames": list(frames),
                      "seed_base": seed_base, "style": style, "qtypes": qtypes,
@@ -269,8 +278,9 @@ def format_report(res: dict) -> str:
         for st, r in res.items():
             a = r["accuracy"]["dense"]
             nar = r.get("narration") or {}
-            rows.append(f"  {st:10s} overall {a['overall']:.3f} (n={a['n']}; without narrations "
-                        f"{a['overall_without_narration']:.3f})"
+            short = a["overall_without_narration"]  # None: narrations only
+            rows.append(f"  {st:10s} overall {a['overall']:.3f} (n={a['n']}"
+                        + (f"; without narrations {short:.3f})" if short is not None else ")")
                         + (f"  narration whole {nar['whole']:.2f} sentences {nar['sentences']:.2f} "
                            f"objects {nar['objects']:.2f}" if nar else "")
                         + f"  loops {r['degenerate']['loops']} no-end {r['degenerate']['no_end']}")
@@ -294,6 +304,12 @@ def format_report(res: dict) -> str:
         lines.append(f"narration (n={nar['n']}): whole {nar['whole']:.3f}, sentences at their place "
                      f"{nar['sentences']:.3f}, object sentences anywhere {nar['objects']:.3f}, "
                      f"count sentence {nar['count_ok']:.3f}")
+        if nar.get("n_moving") and nar.get("n_glimpsed"):
+            lines.append(f"  object sentences at their place: objects some frame pair shows moving "
+                         f"{nar['moving_sentences']:.3f} (n={nar['n_moving']}), objects seen only across frame "
+                         f"pairs {nar['glimpsed_sentences']:.3f} (n={nar['n_glimpsed']}); whole narrations "
+                         f"without such an object {nar.get('whole_all_moving', float('nan')):.3f} (n={nar['n'] - nar['n_with_glimpsed']}), "
+                         f"with one {nar.get('whole_with_glimpsed', float('nan')):.3f} (n={nar['n_with_glimpsed']})")
     if "degenerate" in res:
         d = res["degenerate"]
         lines.append(f"degenerate answers: {d['loops']} looping, {d['no_end']} without an end (of {d['n']})")

@@ -110,6 +110,15 @@ def narration_order(clip: Clip) -> list:
     return sorted(clip.objects, key=key)
 
 
+def seen_moving(obj, n_frames: int) -> bool:
+    """Whether some frame pair of the model's temporal patch ((0, 1), (2, 3), ...) shows the object
+    in both its frames, so that a visual token sees it move. An object visible in two frames that
+    straddle pairs (frames 7 and 8) is not: the tower attends within a frame pair (Qwen2-VL), so its
+    direction has to be put together from two tokens that each hold one frame of it."""
+    vis = obj.boxes[:, 0] >= 0
+    return any(vis[t] and vis[t + 1] for t in range(0, n_frames - 1, 2))
+
+
 def narration_sentence(colour: str, shape: str, direction: str, phase: str | None, first: bool) -> str:
     """One object's sentence of a narration (phase None: visible for the whole clip)."""
     when = "throughout the video" if phase is None else PHASE_PHRASE[phase]
@@ -151,7 +160,7 @@ def parse_sentence(sentence: str):
 def score_narration(pred: str, ref: str) -> dict:
     """Scores of a narration against the reference: `whole` (the same text, normalised),
     `sentences` (share of the reference's sentences, the count sentence included, matched at their
-    position), `objects` (share of the reference's object sentences found anywhere in the
+    position; `at_place`: that match per reference sentence), `objects` (share of the reference's object sentences found anywhere in the
     prediction, by content: colour, shape, direction, time), `count_ok` (the count sentence) and
     the numbers of sentences of each."""
     p, r = sentences(pred), sentences(ref)
@@ -165,7 +174,8 @@ def score_narration(pred: str, ref: str) -> dict:
             found += 1
     return {"whole": normalise(pred) == normalise(ref), "sentences": pos / max(1, len(r)),
             "objects": found / max(1, len(want)), "count_ok": bool(p[:1] == r[:1]),
-            "n_pred": len(p), "n_ref": len(r)}
+            "n_pred": len(p), "n_ref": len(r),
+            "at_place": [i < len(p) and p[i] == x for i, x in enumerate(r)]}  # per reference sentence
 
 
 def _words(text: str) -> list:

@@ -1,0 +1,99 @@
+"""What the embedded model's vision tower tells of motion: linear probes of an object's direction
+read from the tower's output (the merged visual tokens the language model sees).
+
+Qwen2-VL's tower attends within one temporal patch (here two frames) and no further, so a token sees
+its object move only when the object is in both of its frames. Three probes, each a linear
+classifier trained on clips of training seeds and scored on clips of held-out seeds:
+
+- `two_frame_tokens`: tokens whose object is in both their frames (motion visible in the token);
+- `one_frame_tokens`: tokens whose object is in one of their frames only (an object entering or
+  leaving the cell, or one seen in two frames that straddle a pair: frames 7 and 8);
+- `glimpsed_objects`: objects seen in exactly two frames that straddle a pair (no token of them
+  sees them move), from the mean of their tokens in each of the two pairs and the difference
+  (what the language model's attention, an average, could put together).
+
+Chance is 0.25 (four directions)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .clips import DIRECTIONS
+from .data import object_cover, token_labels
+from .model import MERGE, preprocess_frames
+from .questions import NARRATE, make_sample, seen_moving
+
+TEST_SEED_BASE = 1_650_000_000  # the selection seeds: neither training nor the reported tables
+
+
+def _linear_probe(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor, steps: int = 600) -> float:
+    """Accuracy on the rows not in `train` of a linear classifier fitted to the rows in it."""
+    if train.all() or not train.any():
+        return float("nan")
+    mu, sd = x[train].mean(0), x[train].std(0) + 1e-5
+    z = (x - mu) / sd
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(z.shape[1], len(DIRECTIONS))
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-2, weight_decay=1e-3)
+    with torch.enable_grad():  # the callers hold the tower's features under no_grad
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(lin(z[train]), y[train])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        return float((lin(z[~train]).argmax(-1) == y[~train]).float().mean())
+
+
+@torch.no_grad()
+def direction_probes(model_dir: str, n_train: int = 1200, n_test: int = 300, frames=(8, 16),
+                     progress: bool = True) -> dict:
+    """The three probes over `n_train` + `n_test` narration clips (every object of a clip counts),
+    their lengths cycling over `frames` -> {probe: {"accuracy", "n_test"}}."""
+    from tqdm import tqdm
+
+    from .evaluate import load_toy
+
+    _, model, _ = load_toy(model_dir)
+    model.eval()
+    tok_x, tok_y, tok_one, tok_test = [], [], [], []
+    obj_x, obj_y, obj_test = [], [], []
+    for i in tqdm(range(n_train + n_test), desc="toy probe", disable=not progress, mininterval=2.0):
+        test = i >= n_train
+        T = frames[i % len(frames)]
+        s = make_sample((TEST_SEED_BASE if test else 900_000_000) + i, T, NARRATE)
+        pv, thw = preprocess_frames(s.clip.frames)
+        gt, gh, gw = (int(v) for v in thw[0])
+        mh, mw = gh // MERGE, gw // MERGE
+        v = model.model.visual(pv, grid_thw=thw).pooler_output.reshape(gt, mh * mw, -1)
+        lab = torch.from_numpy(token_labels(s.clip, gt, mh, mw)[:, 2])
+        cover = object_cover(s.clip, gt, mh, mw)
+        for o in s.clip.objects:
+            d = DIRECTIONS.index(o.direction)
+            mine = lab == d + 1  # tokens labelled with this object's direction (its colour is unique, not its
+            # direction: keep the tokens it covers most)
+            cov = torch.from_numpy(cover[o.id])  # [gt, 2, cells]
+            mine &= cov.sum(1).reshape(-1) > 0
+            one = (cov == 0).any(1).reshape(-1)
+            tok_x.append(v.reshape(gt * mh * mw, -1)[mine])
+            tok_y.append(torch.full((int(mine.sum()),), d))
+            tok_one.append(one[mine])
+            tok_test.append(torch.full((int(mine.sum()),), test))
+            seen = np.flatnonzero(o.boxes[:, 0] >= 0)
+            if len(seen) == 2 and not seen_moving(o, T):
+                p = int(seen[0]) // 2
+                w0, w1 = cov[p].sum(0).float(), cov[p + 1].sum(0).float()
+                if w0.sum() and w1.sum():
+                    e, late = w0 @ v[p] / w0.sum(), w1 @ v[p + 1] / w1.sum()
+                    obj_x.append(torch.cat([e, late, late - e]))
+                    obj_y.append(d)
+                    obj_test.append(test)
+    x, y, one, test = torch.cat(tok_x), torch.cat(tok_y), torch.cat(tok_one), torch.cat(tok_test)
+    out = {}
+    for name, m in (("two_frame_tokens", ~one), ("one_frame_tokens", one)):
+        out[name] = {"accuracy": _linear_probe(x[m], y[m], ~test[m]), "n_test": int((m & test).sum())}
+    if obj_x:
+        ot = torch.tensor(obj_test)
+        out["glimpsed_objects"] = {"accuracy": _linear_probe(torch.stack(obj_x), torch.tensor(obj_y), ~ot),
+                                   "n_test": int(ot.sum())}
+    return out
