@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .clips import DIRECTIONS
+from .clips import COLOURS, DIRECTIONS
 from .data import object_cover, token_labels
 from .model import MERGE, preprocess_frames
 from .questions import NARRATE, make_sample, seen_moving
@@ -65,17 +65,16 @@ def direction_probes(model_dir: str, n_train: int = 1200, n_test: int = 300, fra
         pv, thw = preprocess_frames(s.clip.frames)
         gt, gh, gw = (int(v) for v in thw[0])
         mh, mw = gh // MERGE, gw // MERGE
-        v = model.model.visual(pv, grid_thw=thw).pooler_output.reshape(gt, mh * mw, -1)
-        lab = torch.from_numpy(token_labels(s.clip, gt, mh, mw)[:, 2])
+        flat = model.model.visual(pv, grid_thw=thw).pooler_output  # [gt * cells, hidden]
+        v = flat.reshape(gt, mh * mw, -1)
+        owner = torch.from_numpy(token_labels(s.clip, gt, mh, mw)[:, 0])  # colour+1 of the token's object
         cover = object_cover(s.clip, gt, mh, mw)
         for o in s.clip.objects:
             d = DIRECTIONS.index(o.direction)
-            mine = lab == d + 1  # tokens labelled with this object's direction (its colour is unique, not its
-            # direction: keep the tokens it covers most)
+            mine = owner == COLOURS.index(o.colour) + 1  # the tokens labelled with it (colours are unique in a clip)
             cov = torch.from_numpy(cover[o.id])  # [gt, 2, cells]
-            mine &= cov.sum(1).reshape(-1) > 0
             one = (cov == 0).any(1).reshape(-1)
-            tok_x.append(v.reshape(gt * mh * mw, -1)[mine])
+            tok_x.append(flat[mine])
             tok_y.append(torch.full((int(mine.sum()),), d))
             tok_one.append(one[mine])
             tok_test.append(torch.full((int(mine.sum()),), test))
