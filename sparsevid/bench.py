@@ -61,7 +61,8 @@ def add_arguments(p) -> None:
 
 
 def bench_clip(frames: int, video: str | None, question: str | None):
-    """(frames [T, H, W, 3], question, answer or None): a video file, or a synthetic toy clip."""
+    """(frames [T, H, W, 3], question, correct answers or None): a video file, or a synthetic toy
+    clip (its narration; a question of the caller's has no known answer)."""
     if video:
         from .video import load_video
 
@@ -69,12 +70,12 @@ def bench_clip(frames: int, video: str | None, question: str | None):
     from .toy.questions import NARRATE, make_sample
 
     s = make_sample(seed=10_000 + frames, n_frames=frames, qtype=NARRATE)
-    return s.clip.frames, question or s.question, s.answer
+    return s.clip.frames, question or s.question, None if question else s.answers
 
 
 def toy_clips(n: int, frames: int, types: str = "narrate") -> list:
     """n held-out toy questions with `frames` frames (as `toy eval` draws them), their types cycling
-    over the comma list `types`: (frames, question, answer)."""
+    over the comma list `types`: (frames, question, correct answers)."""
     from .toy.evaluate import eval_samples
     from .toy.questions import ALL_QTYPES
 
@@ -82,16 +83,16 @@ def toy_clips(n: int, frames: int, types: str = "narrate") -> list:
     unknown = [t for t in qtypes if t not in ALL_QTYPES]
     if unknown or not qtypes:
         raise InputError(f"Unknown question type(s) {unknown or types!r}; known: {', '.join(ALL_QTYPES)}.")
-    return [(s.clip.frames, s.question, s.answer) for s in eval_samples(n, frames, qtypes=qtypes)]
+    return [(s.clip.frames, s.question, s.answers) for s in eval_samples(n, frames, qtypes=qtypes)]
 
 
-def _correct(trace, answer) -> bool | None:
-    """The answer matches the clip's (toy clips; None without a known answer)."""
-    if answer is None:
+def _correct(trace, answers) -> bool | None:
+    """The answer is one of the clip's correct ones (toy clips; None without known answers)."""
+    if answers is None:
         return None
-    from .toy.questions import normalise
+    from .toy.questions import is_answer
 
-    return normalise(trace.text) == normalise(answer)
+    return is_answer(trace.text, answers)
 
 
 def _pct(flags: list) -> float | None:
@@ -157,7 +158,7 @@ def bench_main(args) -> int:
             clips = toy_clips(args.clips, F, args.types) if args.clips else [bench_clip(F, args.video, args.question)]
             per = {name: [] for name in names}
             correct = {name: [] for name in ["dense"] + names}
-            for frames, question, answer in clips:
+            for frames, question, answers in clips:
                 inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
                 warm_up(loaded, inputs, names=names, settings=settings)
                 for name in names:
@@ -168,8 +169,8 @@ def bench_main(args) -> int:
                     figs, res, dense = paired_runs(loaded, inputs, name, settings, args, decoding, check)
                     per[name] += figs
                     bar.update(args.repeats)
-                    correct[name].append(_correct(res, answer))
-                correct["dense"].append(_correct(dense, answer))
+                    correct[name].append(_correct(res, answers))
+                correct["dense"].append(_correct(dense, answers))
             for name in names:
                 row = dict(frames=F, visual_tokens=inputs.m_v, method=name, clips=len(clips),
                            tokens=_median([p["tokens"] for p in per[name]]))

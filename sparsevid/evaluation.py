@@ -1,14 +1,16 @@
 """Evaluation over a manifest of clips: `python -m sparsevid eval`, in one process or several.
 
 Manifest: JSON lines ``{"video": path, "question": ..., "answer": optional reference,
-"boxes": optional ground truth, "frames": optional frames to sample, "id": optional}``; video paths
+"answers": optional list of other answers that count as correct too (a narration's other orders of
+objects that appear together), "boxes": optional ground truth, "frames": optional frames to sample,
+"id": optional}``; video paths
 are relative to the manifest's folder; ``--data DIR`` means ``DIR/manifest.jsonl``. Items without
 an id are numbered by their position ("0", "1", ...).
 
 Every item goes through dense and the chosen methods (`methods.compare`). Outputs in ``--out``:
 
 - ``results.jsonl``: one line per (item, method): the run's trace (`traces.Trace.to_json`: text,
-  token_ids, times, KV bytes, rounds) and its figures against dense (`metrics`), ``correct`` (exact answer after `normalise`, None without a
+  token_ids, times, KV bytes, rounds) and its figures against dense (`metrics`), ``correct`` (exact answer, or one of ``answers``, after `normalise`, None without a
   reference), ``identical_to_dense``, ``frames``, ``settings``; or ``error`` when the item failed
   (unreadable video, ...), which does not stop the run.
 - ``summary.json``: per method, accuracy, agreement with dense and median / quartiles / min / max of
@@ -151,12 +153,21 @@ def setting(row: dict, name: str):
     return row["settings"].get(name, defaults().get(name))
 
 
+def is_correct(text: str, item: dict) -> bool | None:
+    """Whether `text` is the item's reference answer or one of its other accepted `answers`, after
+    `normalise` (case, punctuation and spacing do not count); None without a reference."""
+    from .toy.questions import is_answer
+
+    if item.get("answer") is None:
+        return None
+    return is_answer(text, [item["answer"], *item.get("answers", [])])
+
+
 def run_item(loaded, item: dict, names: list[str], settings: dict, sampling, settings_dict: dict,
              frames: int, max_new_tokens: int) -> list[dict]:
     """One row per method for one manifest item; rows with `error` when the item fails."""
     from .errors import SparsevidError
     from .runs import compare
-    from .toy.questions import normalise
     from .video import load_video
 
     ref = item.get("answer")
@@ -177,7 +188,7 @@ def run_item(loaded, item: dict, names: list[str], settings: dict, sampling, set
         if name == "dense":
             row.update(speedup=1.0, e2e_speedup=1.0, kv_ratio=1.0, identical_to_dense=True)
         row.setdefault("acceptance", None)  # direct methods and dense have none
-        row["correct"] = None if ref is None else normalise(res.text) == normalise(str(ref))
+        row["correct"] = is_correct(res.text, item)
         rows.append(row)
     return rows
 

@@ -70,6 +70,17 @@ def test_make_eval_manifest(evalset):
     assert [it["frames"] for it in items[:3]] == [8, 12, 8]
 
 
+def test_correct_means_the_reference_or_an_accepted_alternative():
+    from sparsevid.toy.questions import NARRATE, make_sample
+
+    s = next(s for s in (make_sample(seed, 16, NARRATE) for seed in range(50)) if len(s.answers) > 1)
+    item = {"answer": s.answer, "answers": s.answers[1:]}
+    assert evaluation.is_correct(s.answers[-1].upper(), item) and evaluation.is_correct(s.answer, item)
+    assert not evaluation.is_correct(s.answers[-1], {"answer": s.answer})
+    assert not evaluation.is_correct("There is one object.", item)
+    assert evaluation.is_correct("red", {"question": "?"}) is None
+
+
 def test_single_process(single, capsys):
     lines = read(single)
     rows = [json.loads(line) for line in lines]

@@ -37,6 +37,9 @@ def main(argv=None) -> int:
                     help="fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
                          "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH, "
                          "with --seed 1; measured no better than its parent, not shipped)")
+    tr.add_argument("--paired", default=None, metavar="FOLDER",
+                    help="fine-tune FOLDER (the --refine output) as --polish does, on today's clip world, where "
+                         "every short-lived object fills a frame pair (train.PAIRED, with --seed 3)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
                          "1.6e9, to choose between recipes without tuning on the reported clips")
     ev.add_argument("--styles", default="default",
                     help="comma list of style sets, each reported on its own: default (the training renderer), "
-                         "random (random styles), held-out (the held-out style family), no-bar, other-bar")
+                         "random (random styles), held-out (the held-out style family), no-bar, other-bar, "
+                         "glimpses (the default renderer in the original clip world)")
     ev.add_argument("--types", default=None,
                     help="comma list of question types (default the six short ones; add 'narrate' for narrations)")
     ev.add_argument("--narration", action="store_true", help="ask for narrations too (adds 'narrate' to the types)")
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import FINETUNE, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
+        from .train import FINETUNE, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -98,6 +102,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **REFINE, init_from=a.refine)
         if a.polish:
             cfg = replace(cfg, **POLISH, init_from=a.polish)
+        if a.paired:
+            cfg = replace(cfg, **PAIRED, init_from=a.paired)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:

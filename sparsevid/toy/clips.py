@@ -17,7 +17,16 @@ colours and height) and libx264 compression artefacts. ``sample_style(seed)`` dr
 ``held_out_family(style)`` says whether it belongs to the held-out style family (the "rings"
 background or the "xl" object-size band), which ``sample_style(..., train=True)`` never draws and
 ``sample_style(..., held_out=True)`` always draws. ``style=None`` (the default), like ``LEGACY``,
-draws exactly the original clips, bit for bit.
+draws the original renderer's clips.
+
+The world's one rule since issue 22's fifth fine-tune: an object that is not on screen for the
+whole clip is visible in both frames of at least one frame pair (0-1, 2-3, ...). Qwen2-VL's vision
+tower sees frames in such pairs and attends within one pair only, so an object caught in just two
+frames of two pairs (frames 7 and 8 of 16) is seen by no visual token to move: its direction is not
+in the model's input (model card, "Why narrations missed"). ``make_clip(..., glimpses=True)`` draws
+the original world, where such glimpses happen (about one 16-frame narration in four); with
+``style=None`` those are the original clips bit for bit, and the training recipes of the shipped
+model's parents used them.
 """
 from __future__ import annotations
 
@@ -385,14 +394,36 @@ def _draw_distractors(rng, frames, kind: str, n: int, y_lo: int, y_hi: int, k: f
             raise ValueError(f"unknown distractor kind {kd!r}")
 
 
-def _segment(rng, n_frames, phase, min_len, max_len):
-    """A visible segment [start, end) lying entirely inside the given third of the clip."""
+def holds_pair(start: int, end: int) -> bool:
+    """Whether frames [start, end) include both frames of a frame pair (0, 1), (2, 3), ...: the
+    model's temporal patch, the unit in which Qwen2-VL's vision tower sees motion."""
+    first = start + (start % 2)  # the first pair that starts inside
+    return first + 2 <= end
+
+
+def _segment(rng, n_frames, phase, min_len, max_len, glimpses: bool = True):
+    """A visible segment [start, end) lying entirely inside the given third of the clip.
+
+    ``glimpses=False`` (the world since issue 22's fifth fine-tune): the segment also holds both
+    frames of some frame pair, so that a visual token sees the object move. A draw that does not is
+    drawn again among the segments that do, so a clip none of whose draws glimpsed (placements
+    rejected on the way included) is the original world's bit for bit; where the third holds no whole pair (the middle of an 8-frame clip, the end of a
+    7-frame one, clips under 6 frames) the segment is a whole pair whose centre lies in the third."""
     idx = [i for i in range(n_frames) if frame_phase(i, n_frames) == phase]
     lo_i, hi_i = idx[0], idx[-1] + 1
     avail = hi_i - lo_i
     length = int(rng.integers(min(min_len, avail), min(max_len, avail) + 1))
     start = int(rng.integers(lo_i, hi_i - length + 1))
-    return start, start + length
+    if glimpses or holds_pair(start, start + length):
+        return start, start + length
+    cands = [(a, a + n) for n in range(min(min_len, avail), min(max_len, avail) + 1)
+             for a in range(lo_i, hi_i - n + 1) if holds_pair(a, a + n)]
+    if not cands:
+        cands = [(a, a + 2) for a in range(0, n_frames - 1, 2)
+                 if phase_of(a + 1.0, n_frames) == phase]
+    if not cands:  # a clip too short for any pair in this third (under 4 frames)
+        return start, start + length
+    return cands[int(rng.integers(0, len(cands)))]
 
 
 def make_clip(
@@ -403,6 +434,7 @@ def make_clip(
     segment_first: bool = False,
     max_objects: int = 4,
     style: Style | None = None,
+    glimpses: bool = False,
 ) -> Clip:
     """Draw one clip.
 
@@ -411,7 +443,11 @@ def make_clip(
     only in a short segment (12..20 frames). ``segment_first`` forces object 0 to be a segment
     object (needed for "when" and "describe" questions). Colours and shapes are distinct within a
     clip, so "the red object" or "the circle" always names exactly one object. ``style`` renders
-    it another way (`Style`; None: the original renderer, bit for bit).
+    it another way (`Style`; None: the original renderer). Every object not on screen for the
+    whole clip is visible in both frames of some frame pair (the model's temporal patch), so a
+    visual token sees it move; ``glimpses=True`` draws the original world, where a short-lived
+    object may be seen in two frames of two pairs only, and with ``style=None`` exactly the
+    original clips, bit for bit.
     """
     rng = np.random.default_rng([int(seed), int(n_frames), int(size), 7919])
     st = LEGACY if style is None else style
@@ -462,7 +498,7 @@ def make_clip(
                 if full:
                     seg = (0, T)
                 else:
-                    seg = _segment(rng, T, int(rng.integers(0, 3)), 2, min(MAX_SEG, max(2, T // 3)))
+                    seg = _segment(rng, T, int(rng.integers(0, 3)), 2, min(MAX_SEG, max(2, T // 3)), glimpses)
             length = seg[1] - seg[0]
             (c0x, c0y), (vx, vy) = _path(rng, direction, sz, length, W, h_usable, speed_range, y_lo)
             cen = np.full((T, 2), np.nan, dtype=np.float32)

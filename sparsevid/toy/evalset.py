@@ -32,7 +32,8 @@ def make_toy_eval_set(n: int, out: str, frames=(16,), seed: int | None = None) -
         video = f"clips/toy-{i:04d}.mp4"
         write_video(os.path.join(out, video), s.clip.frames)
         lines.append(dict(id=f"toy-{i:04d}", video=video, question=s.question, answer=s.answer,
-                          boxes=s.boxes(normalised=True), frames=F, qtype=s.qtype, seed=seed + i))
+                          boxes=s.boxes(normalised=True), frames=F, qtype=s.qtype, seed=seed + i,
+                          **({"answers": s.answers[1:]} if len(s.answers) > 1 else {})))
     path = os.path.join(out, MANIFEST)
     with open(path, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)

@@ -12,7 +12,8 @@ classifier trained on clips of training seeds and scored on clips of held-out se
   sees them move), from the mean of their tokens in each of the two pairs and the difference
   (what the language model's attention, an average, could put together).
 
-Chance is 0.25 (four directions)."""
+Chance is 0.25 (four directions). The clips are drawn in the original world (`glimpses=True`),
+the one where glimpsed objects occur."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,7 +62,7 @@ def direction_probes(model_dir: str, n_train: int = 1200, n_test: int = 300, fra
     for i in tqdm(range(n_train + n_test), desc="toy probe", disable=not progress, mininterval=2.0):
         test = i >= n_train
         T = frames[i % len(frames)]
-        s = make_sample((TEST_SEED_BASE if test else 900_000_000) + i, T, NARRATE)
+        s = make_sample((TEST_SEED_BASE if test else 900_000_000) + i, T, NARRATE, glimpses=True)
         pv, thw = preprocess_frames(s.clip.frames)
         gt, gh, gw = (int(v) for v in thw[0])
         mh, mw = gh // MERGE, gw // MERGE

@@ -19,9 +19,13 @@ Question forms the toy model understands ({ref} is "the {colour} object", "the {
              left to right (then top to bottom) by their centre in that first frame. The first object
              sentence starts "A" ("An orange ..."), every later one "Then a" ("Then an"); an object visible for the whole clip
              moves "throughout the video". 19-66 tokens (1-4 objects).
+             Objects first seen in the same frame pair appear at the same time, so every order of
+             them is an order of appearance: `Sample.answers` lists each such narration (the first
+             is `answer`, the one training teaches), and evaluation accepts any of them.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -58,6 +62,12 @@ class Sample:
     question: str
     answer: str
     obj_id: int | None  # the asked object (None for count: all objects)
+
+    @property
+    def answers(self) -> list[str]:
+        """Every correct answer, `answer` first: for a narration, each order of appearance
+        (`narrations`); for the other types the one answer."""
+        return narrations(self.clip) if self.qtype == NARRATE else [self.answer]
 
     @property
     def target_ids(self) -> list[int]:
@@ -130,9 +140,22 @@ def count_sentence(n: int) -> str:
     return "There is one object." if n == 1 else f"There are {NUMBERS[n]} objects."
 
 
-def narration(clip: Clip) -> str:
-    """The narration answer: a count sentence, then one sentence per object in order of appearance."""
-    objs = narration_order(clip)
+def narration_orders(clip: Clip) -> list[list]:
+    """Every order of appearance of the clip's objects: `narration_order`'s first, then those that
+    reorder objects first seen in the same frame pair (which appear at the same time)."""
+    groups = [list(g) for _, g in itertools.groupby(narration_order(clip), key=lambda o: o.start // 2)]
+    return [[o for g in perm for o in g] for perm in itertools.product(*(itertools.permutations(g) for g in groups))]
+
+
+def narrations(clip: Clip) -> list[str]:
+    """Every correct narration of the clip (one per order of appearance), the training answer first."""
+    return [narration(clip, order) for order in narration_orders(clip)]
+
+
+def narration(clip: Clip, order: list | None = None) -> str:
+    """The narration answer: a count sentence, then one sentence per object in order of appearance
+    (`order`, default `narration_order`'s)."""
+    objs = narration_order(clip) if order is None else order
     return " ".join([count_sentence(len(objs))] + [
         narration_sentence(o.colour, o.shape, o.direction, None if o.full else o.phase, i == 0)
         for i, o in enumerate(objs)])
@@ -157,12 +180,19 @@ def parse_sentence(sentence: str):
     return m.group(1), m.group(2), _DIR_WORD[m.group(3)], phase
 
 
-def score_narration(pred: str, ref: str) -> dict:
-    """Scores of a narration against the reference: `whole` (the same text, normalised),
-    `sentences` (share of the reference's sentences, the count sentence included, matched at their
-    position; `at_place`: that match per reference sentence), `objects` (share of the reference's object sentences found anywhere in the
-    prediction, by content: colour, shape, direction, time), `count_ok` (the count sentence) and
-    the numbers of sentences of each."""
+def score_narration(pred: str, ref) -> dict:
+    """Scores of a narration against the reference (`ref`: one text, or the list of equally correct
+    ones, `Sample.answers`, scored against the one it matches best): `whole` (the same text,
+    normalised), `sentences` (share of the reference's sentences, the count sentence included,
+    matched at their position; `at_place`: that match per reference sentence), `objects` (share of
+    the reference's object sentences found anywhere in the prediction, by content: colour, shape,
+    direction, time), `count_ok` (the count sentence), the numbers of sentences of each, and
+    `whole_strict` (the same text as the first reference: the order training teaches); with a list,
+    `ref_index`, the reference scored against."""
+    if not isinstance(ref, str):
+        scores = [score_narration(pred, r) for r in ref]
+        i = max(range(len(scores)), key=lambda j: (scores[j]["whole"], scores[j]["sentences"], -j))
+        return dict(scores[i], whole_strict=scores[0]["whole"], ref_index=i)
     p, r = sentences(pred), sentences(ref)
     pos = sum(a == b for a, b in zip(p, r))
     want = [parse_sentence(x) for x in r[1:]]
@@ -172,7 +202,8 @@ def score_narration(pred: str, ref: str) -> dict:
         if w in got:
             got.remove(w)
             found += 1
-    return {"whole": normalise(pred) == normalise(ref), "sentences": pos / max(1, len(r)),
+    return {"whole": normalise(pred) == normalise(ref), "whole_strict": normalise(pred) == normalise(ref),
+            "sentences": pos / max(1, len(r)),
             "objects": found / max(1, len(want)), "count_ok": bool(p[:1] == r[:1]),
             "n_pred": len(p), "n_ref": len(r),
             "at_place": [i < len(p) and p[i] == x for i, x in enumerate(r)]}  # per reference sentence
@@ -212,29 +243,37 @@ def normalise(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9 ]", " ", text.lower()).split())
 
 
+def is_answer(text: str, answers) -> bool:
+    """Whether `text` is one of `answers` (a list of equally correct answers, e.g. `Sample.answers`),
+    after `normalise`."""
+    return normalise(text) in {normalise(str(a)) for a in answers}
+
+
 def make_sample(seed: int, n_frames: int = 16, qtype: str | None = None, size: int = 96,
-                n_objects: int | None = None, style: Style | None = None) -> Sample:
-    """One clip with one question about it, deterministic in (seed, n_frames, qtype, size, style).
-    `qtype` None draws one of QTYPES (never "narrate"); `style` renders the clip another way."""
+                n_objects: int | None = None, style: Style | None = None, glimpses: bool = False) -> Sample:
+    """One clip with one question about it, deterministic in (seed, n_frames, qtype, size, style,
+    glimpses). `qtype` None draws one of QTYPES (never "narrate"); `style` renders the clip another
+    way; `glimpses` draws the original world (`clips.make_clip`)."""
     rng = np.random.default_rng([int(seed), int(n_frames), 104729])
     if qtype is None:
         qtype = QTYPES[int(rng.integers(0, len(QTYPES)))]
     clip = make_clip(seed, n_frames, size=size, n_objects=n_objects,
-                     segment_first=qtype in ("when", "describe"), style=style)
+                     segment_first=qtype in ("when", "describe"), style=style, glimpses=glimpses)
     sample = ask(clip, qtype, rng)
     if sample is None:  # extremely rare: placement failed; fall back to a fresh seed
-        return make_sample(seed + 1_000_003, n_frames, qtype, size, n_objects, style)
+        return make_sample(seed + 1_000_003, n_frames, qtype, size, n_objects, style, glimpses)
     return sample
 
 
 def make_samples(seed: int, n_frames: int, qtypes: list, size: int = 96, n_objects: int | None = None,
-                 style: Style | None = None) -> list:
+                 style: Style | None = None, glimpses: bool = False) -> list:
     """Several questions (one per entry of `qtypes`) about one clip, deterministic in the arguments."""
     rng = np.random.default_rng([int(seed), int(n_frames), 104729, len(qtypes)])
     clip = make_clip(seed, n_frames, size=size, n_objects=n_objects,
-                     segment_first=any(q in ("when", "describe") for q in qtypes), style=style)
+                     segment_first=any(q in ("when", "describe") for q in qtypes), style=style,
+                     glimpses=glimpses)
     samples = [s for s in (ask(clip, q, rng) for q in qtypes) if s is not None]
-    return samples or make_samples(seed + 1_000_003, n_frames, qtypes, size, n_objects, style)
+    return samples or make_samples(seed + 1_000_003, n_frames, qtypes, size, n_objects, style, glimpses)
 
 
 def ask(clip: Clip, qtype: str, rng: np.random.Generator) -> Sample | None:

@@ -105,6 +105,11 @@ class TrainConfig:
     # cross-entropy weight of the answer tokens naming a colour, shape, direction or time (1: plain
     # CE). Narration misses were mostly one such word of a later sentence (its direction, its shape)
     attr_weight: float = 1.0
+    # the clip world (`clips.make_clip`): True, the original one, where a short-lived object may be
+    # caught in two frames of two frame pairs, so no visual token sees it move (the shipped model's
+    # parents were trained on it, and TrainConfig() must draw their batches bit for bit); False, the
+    # world since the fifth fine-tune, where every such object fills some pair
+    glimpses: bool = True
     init_from: str = ""  # fine-tune: start from this checkpoint's weights (a folder) instead of a fresh
     # model; the tokenizer is this config's, and embedding / LM-head rows move over by token string
 
@@ -140,6 +145,10 @@ REFINE = dict(FINETUNE, stage1_steps=1500, lr1=5e-4, style_prob=0.85, narration_
 # model card, "Earlier attempts").
 POLISH = dict(REFINE, stage1_steps=0, stage2_steps=1500, stage3_steps=1700, stage4_steps=800, lr=4e-4, lr4=2e-4,
               narration_prob=0.5, style_prob=0.8, single_start=0.1, single_end=0.1)
+# Issue 22's fourth fine-tune (from REFINE's output, the seventeenth session): POLISH's data and schedule
+# in today's clip world (glimpses=False: every short-lived object fills a frame pair, so no training
+# answer asks for a direction that no visual token shows), fresh clips (run it with --seed 3).
+PAIRED = dict(POLISH, glimpses=False)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
 
@@ -283,7 +292,8 @@ def _batch_spec(rng, cfg: TrainConfig, stage: int, frac: float):
     return T, bs, p1
 
 
-def _samples(rng, T, bs, p1, k: int = 1, style_prob: float = 0.0, narration_prob: float = 0.0) -> list:
+def _samples(rng, T, bs, p1, k: int = 1, style_prob: float = 0.0, narration_prob: float = 0.0,
+             glimpses: bool = True) -> list:
     """`bs` clips, each with its list of questions: one (Sample), or `k` of distinct types. With
     `style_prob` > 0 that share of the clips is rendered in a random (never held-out) style, with
     `narration_prob` > 0 that share asks for a narration (with k > 1: as its last question); at 0
@@ -306,8 +316,8 @@ def _samples(rng, T, bs, p1, k: int = 1, style_prob: float = 0.0, narration_prob
             style = sample_style(int(rng.integers(0, 2**31)), train=True)
         if narration_prob > 0 and rng.random() < narration_prob:
             qtypes[-1] = NARRATE
-        out.append([make_sample(seed, T, qtypes[0], n_objects=n_obj, style=style)] if k == 1
-                   else make_samples(seed, T, qtypes, n_objects=n_obj, style=style))
+        out.append([make_sample(seed, T, qtypes[0], n_objects=n_obj, style=style, glimpses=glimpses)] if k == 1
+                   else make_samples(seed, T, qtypes, n_objects=n_obj, style=style, glimpses=glimpses))
     return out
 
 
@@ -329,10 +339,11 @@ class _Draws(torch.utils.data.Dataset):
         T, bs, p1 = _batch_spec(rng, self.cfg, stage, frac)
         if stage == 1:  # the vision tower alone: no answers, a fixed share of single-object clips
             return T, [encode_many(qs, self.tok, self.special, with_answer=False)
-                       for qs in _samples(rng, T, bs, 0.3, style_prob=self.cfg.style_prob)], None
+                       for qs in _samples(rng, T, bs, 0.3, style_prob=self.cfg.style_prob,
+                                          glimpses=self.cfg.glimpses)], None
         encs = [encode_many(s, self.tok, self.special)
                 for s in _samples(rng, T, bs, p1, self.cfg.questions_per_clip, self.cfg.style_prob,
-                                  self.cfg.narration_prob)]
+                                  self.cfg.narration_prob, self.cfg.glimpses)]
         return T, encs, collate(encs, self.special["<|endoftext|>"], self.special["<|video_pad|>"])
 
 
