@@ -19,7 +19,7 @@ background or the "xl" object-size band), which ``sample_style(..., train=True)`
 ``sample_style(..., held_out=True)`` always draws. ``style=None`` (the default), like ``LEGACY``,
 draws the original renderer's clips.
 
-The world's one rule since issue 22's fifth fine-tune: an object that is not on screen for the
+The world's one rule since issue 22's fourth fine-tune: an object that is not on screen for the
 whole clip is visible in both frames of at least one frame pair (0-1, 2-3, ...). Qwen2-VL's vision
 tower sees frames in such pairs and attends within one pair only, so an object caught in just two
 frames of two pairs (frames 7 and 8 of 16) is seen by no visual token to move: its direction is not
@@ -404,7 +404,7 @@ def holds_pair(start: int, end: int) -> bool:
 def _segment(rng, n_frames, phase, min_len, max_len, glimpses: bool = True):
     """A visible segment [start, end) lying entirely inside the given third of the clip.
 
-    ``glimpses=False`` (the world since issue 22's fifth fine-tune): the segment also holds both
+    ``glimpses=False`` (the world since issue 22's fourth fine-tune): the segment also holds both
     frames of some frame pair, so that a visual token sees the object move. A draw that does not is
     drawn again among the segments that do, so a clip none of whose draws glimpsed (placements
     rejected on the way included) is the original world's bit for bit; where the third holds no whole pair (the middle of an 8-frame clip, the end of a

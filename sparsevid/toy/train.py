@@ -108,7 +108,7 @@ class TrainConfig:
     # the clip world (`clips.make_clip`): True, the original one, where a short-lived object may be
     # caught in two frames of two frame pairs, so no visual token sees it move (the shipped model's
     # parents were trained on it, and TrainConfig() must draw their batches bit for bit); False, the
-    # world since the fifth fine-tune, where every such object fills some pair
+    # world since the fourth fine-tune, where every such object fills some pair
     glimpses: bool = True
     init_from: str = ""  # fine-tune: start from this checkpoint's weights (a folder) instead of a fresh
     # model; the tokenizer is this config's, and embedding / LM-head rows move over by token string
@@ -147,7 +147,8 @@ POLISH = dict(REFINE, stage1_steps=0, stage2_steps=1500, stage3_steps=1700, stag
               narration_prob=0.5, style_prob=0.8, single_start=0.1, single_end=0.1)
 # Issue 22's fourth fine-tune (from REFINE's output, the seventeenth session): POLISH's data and schedule
 # in today's clip world (glimpses=False: every short-lived object fills a frame pair, so no training
-# answer asks for a direction that no visual token shows), fresh clips (run it with --seed 3).
+# answer asks for a direction that no visual token shows), fresh clips (run it with --seed 3). The shipped
+# weights: --scale 0.75 (3000 steps, 75 min; model card, "The fourth fine-tune").
 PAIRED = dict(POLISH, glimpses=False)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
