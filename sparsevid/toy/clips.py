@@ -401,23 +401,24 @@ def holds_pair(start: int, end: int) -> bool:
     return first + 2 <= end
 
 
-def _segment(rng, n_frames, phase, min_len, max_len, glimpses: bool = True):
+def _segment(rng, n_frames, phase, min_len, max_len, glimpses: bool):
     """A visible segment [start, end) lying entirely inside the given third of the clip.
 
     ``glimpses=False`` (the world since issue 22's fourth fine-tune): the segment also holds both
     frames of some frame pair, so that a visual token sees the object move. A draw that does not is
     drawn again among the segments that do, so a clip none of whose draws glimpsed (placements
-    rejected on the way included) is the original world's bit for bit; where the third holds no whole pair (the middle of an 8-frame clip, the end of a
-    7-frame one, clips under 6 frames) the segment is a whole pair whose centre lies in the third."""
+    rejected on the way included) is the original world's bit for bit; where the third holds no
+    whole pair (the middle of an 8-frame clip, the end of a 7-frame one, clips under 6 frames) the
+    segment is a whole pair whose centre lies in the third."""
     idx = [i for i in range(n_frames) if frame_phase(i, n_frames) == phase]
     lo_i, hi_i = idx[0], idx[-1] + 1
     avail = hi_i - lo_i
-    length = int(rng.integers(min(min_len, avail), min(max_len, avail) + 1))
+    lengths = range(min(min_len, avail), min(max_len, avail) + 1)
+    length = int(rng.integers(lengths.start, lengths.stop))
     start = int(rng.integers(lo_i, hi_i - length + 1))
     if glimpses or holds_pair(start, start + length):
         return start, start + length
-    cands = [(a, a + n) for n in range(min(min_len, avail), min(max_len, avail) + 1)
-             for a in range(lo_i, hi_i - n + 1) if holds_pair(a, a + n)]
+    cands = [(a, a + n) for n in lengths for a in range(lo_i, hi_i - n + 1) if holds_pair(a, a + n)]
     if not cands:
         cands = [(a, a + 2) for a in range(0, n_frames - 1, 2)
                  if phase_of(a + 1.0, n_frames) == phase]
@@ -492,7 +493,7 @@ def make_clip(
             direction = DIRECTIONS[int(rng.integers(0, 4))]
             if long:
                 full = False
-                seg = _segment(rng, T, int(rng.integers(0, 3)), 12, MAX_SEG)
+                seg = _segment(rng, T, int(rng.integers(0, 3)), 12, MAX_SEG, glimpses)
             else:
                 full = (not (segment_first and kk == 0)) and T <= MAX_SEG and rng.random() < 0.5
                 if full:

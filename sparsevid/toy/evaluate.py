@@ -22,8 +22,8 @@ sizes, frame shapes, bars, codec), "held-out" (the held-out style family only), 
 "other-bar" (the default clips without their progress bar, or with one of another colour at the
 top), "glimpses" (the default renderer in the original world, where a short-lived object may be
 seen in two frames of two frame pairs only: `clips.make_clip(glimpses=True)`; the other sets draw
-today's world, where every object fills some pair). Accuracy is then also reported by background family, object-size band, bar, codec and number
-of objects. `qtypes` may include "narrate" (narrations, scored whole and per sentence, against
+today's world, where every object fills some pair). Accuracy is then also reported by background
+family, object-size band, bar, codec and number of objects. `qtypes` may include "narrate" (narrations, scored whole and per sentence, against
 the narration in whichever order of appearance fits best: objects that appear in the same frame
 pair may come in any order; `whole_strict` keeps the order training teaches). Every
 answer is checked for loops (`questions.repeats_3gram_3x`) and for running out of tokens.
@@ -193,8 +193,9 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
         length = "short" if f <= SHORT_MAX else "long"
         ref = ref_kind(s)
         facets = style_keys(s)
+        answers = s.answers  # a narration: one per order of appearance, computed once per item
         for m, pred in texts.items():
-            ok = is_answer(pred, s.answers)  # a narration: in any order of appearance
+            ok = is_answer(pred, answers)
             acc[m]["all"].append(ok)
             if not long_answer:
                 acc[m]["short_answers"].append(ok)
@@ -214,7 +215,7 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
                 degenerate.append(deg)
                 no_eos.append(not ended)
                 if long_answer:
-                    sc = score_narration(pred, s.answers)
+                    sc = score_narration(pred, answers)
                     for k in ("whole", "whole_strict", "sentences", "objects", "count_ok"):
                         narr[k].append(float(sc[k]))
                     narr[f"len:{length}:sentences"].append(sc["sentences"])
