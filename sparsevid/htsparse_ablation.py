@@ -2,11 +2,15 @@
 
     python -m sparsevid.htsparse_ablation --n 20 --frames 16,256 \
         --configs "variant=ht,head,token;layers=early,mid,late,mid+late"
+    python -m sparsevid.htsparse_ablation --method sparsemm --configs "budget=0.3,0.4,0.5"
+
+`--method` sweeps another method's settings the same way (default htsparse; any lossy method of
+`methods.METHODS`, e.g. sparsemm's budget, window, rho).
 
 Each `--configs` axis is `key=v1,v2,...`: an HT-Sparse setting (`methods.all_options`), without
 its `ht_` prefix where it has one (variant, layers, eta, l_v, tau, heads_full, heads_sparse,
 drop_mode, summary, by_group, prune_after); axes are joined by `;` into a cartesian product, products by `|`. Every
-combination runs as the `htsparse` method beside dense on each clip (same process, same inputs).
+combination runs as the method beside dense on each clip (same process, same inputs).
 A row: accuracy (exact answer, as `python -m sparsevid.toy eval`), the share of clips answered
 token for token as dense did, and medians over clips of decode KV %, prefill KV %, end-to-end
 latency % (all clips, and long clips only), prefill wall time % (long clips), prefill / decode
@@ -46,28 +50,29 @@ def parse_configs(spec: str) -> list[dict]:
 
 
 def ablation(model: str | None, n: int, frames: list[int], configs: list[dict], max_new_tokens: int = 24,
-             progress: bool = True, seed_base: int | None = None) -> list[dict]:
+             progress: bool = True, seed_base: int | None = None, method: str = "htsparse") -> list[dict]:
     from tqdm import tqdm
 
-    from .methods import check_settings
+    from .methods import check_settings, parse_methods
     from .models import load_model
     from .runs import figures, run_method
     from .toy.clips import SHORT_MAX
     from .toy.evaluate import EVAL_SEED_BASE, eval_samples
     from .toy.questions import normalise
 
+    parse_methods([method])  # a clear error for an unknown name or setting before the model loads
+    settings = [check_settings(c) for c in configs]
     loaded = load_model(model, device="cpu", dtype="float32")
     base: dict = {}
-    settings = [check_settings(c) for c in configs]
     rows = [dict(config=c, ok=[], same=[], figs={k: [] for k in FIGS}) for c in configs]
     dense_ok, lengths = [], []
     jobs = [(f, s) for f in frames for s in eval_samples(n, f, EVAL_SEED_BASE if seed_base is None else seed_base)]
-    for f, s in tqdm(jobs, desc="htsparse ablation", disable=not progress, file=sys.stderr):
+    for f, s in tqdm(jobs, desc=f"{method} ablation", disable=not progress, file=sys.stderr):
         inputs = loaded.adapter.build_inputs(s.clip.frames, s.question)
         dense = run_method(loaded, inputs, "dense", base, max_new_tokens)
         dense_ok.append(normalise(dense.text) == normalise(s.answer))
         lengths.append("short" if f <= SHORT_MAX else "long")
-        results = [run_method(loaded, inputs, "htsparse", st, max_new_tokens) for st in settings]
+        results = [run_method(loaded, inputs, method, st, max_new_tokens) for st in settings]
         # dense again after the configs: the first run on a clip tends to be the fastest, so the
         # latency reference is the mean of a dense run before and one after
         again = run_method(loaded, inputs, "dense", base, max_new_tokens)
@@ -117,6 +122,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparsevid.htsparse_ablation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded toy model)")
+    ap.add_argument("--method", default="htsparse", help="the method whose settings --configs sweeps")
     ap.add_argument("--n", type=int, default=20, help="questions per clip length")
     ap.add_argument("--frames", default="16,256")
     ap.add_argument("--configs", default="variant=ht,head,token;layers=early,mid,late,mid+late")
@@ -130,8 +136,14 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    rows = ablation(a.model, a.n, [int(f) for f in a.frames.split(",") if f], parse_configs(a.configs),
-                    a.max_new_tokens, progress=not a.json, seed_base=a.seed_base)
+    from .errors import SparsevidError
+
+    try:
+        rows = ablation(a.model, a.n, [int(f) for f in a.frames.split(",") if f], parse_configs(a.configs),
+                        a.max_new_tokens, progress=not a.json, seed_base=a.seed_base, method=a.method)
+    except SparsevidError as e:  # an unknown method or setting, a bad value: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(rows) if a.json else format_table(rows))
     return 0
 

@@ -267,3 +267,20 @@ def test_calibrate_cli(tiny_model_dir, tmp_path, capsys):
                  "--out", str(out), "--json", "--device", "cpu"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["file"] == str(out) and np.isclose(np.sum(d["scores"]), 1.0) and out.exists()
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(EMBEDDED, "config.json")), reason="embedded model not built")
+def test_settings_sweep_cli_runs_sparsemm(capsys):
+    """`htsparse_ablation --method sparsemm` sweeps SparseMM's budget beside dense on the embedded
+    model: a budget that keeps the whole prompt is dense, a small one keeps less KV; an unknown
+    method or setting is one line on stderr, no traceback."""
+    from sparsevid.htsparse_ablation import main
+
+    assert main(["--method", "sparsemm", "--n", "1", "--frames", "16", "--configs", "budget=1.0,0.2", "--json"]) == 0
+    dense, whole, small = json.loads(capsys.readouterr().out)
+    assert whole["same_as_dense"] == 100 and whole["accuracy"] == dense["accuracy"]
+    assert small["decode_kv_pct"] < 50 < whole["decode_kv_pct"]
+    for argv in (["--method", "nope"], ["--method", "sparsemm", "--configs", "budgte=0.3"]):
+        assert main(argv + ["--n", "1", "--frames", "16"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: Unknown") and "Traceback" not in "".join(err)
