@@ -754,3 +754,18 @@ def test_direction_probe_reads_motion_from_tokens_that_see_it(capsys):
     assert set(res) <= {"two_frame_tokens", "one_frame_tokens", "glimpsed_objects"}
     assert res["two_frame_tokens"]["accuracy"] > 0.8 and res["two_frame_tokens"]["n_test"] > 500
     assert 0.0 <= res["one_frame_tokens"]["accuracy"] <= 1.0 and res["one_frame_tokens"]["n_test"] > 50
+
+
+def test_no_bar_share_draws_training_clips_without_the_progress_bar():
+    """`TrainConfig.no_bar_prob` (the fifth fine-tune's 0.3): at 1 every training clip, default
+    renderer or random style, comes without its progress bar; at 0 the bar stays where the style
+    has one (the default renderer's clips always do)."""
+    from sparsevid.toy.train import _samples
+
+    def bars(no_bar_prob, style_prob):
+        out = _samples(np.random.default_rng(7), 16, 12, 0.3, style_prob=style_prob, glimpses=False,
+                       no_bar_prob=no_bar_prob)
+        return [qs[0].clip.meta.get("style", {}).get("bar", "bottom") for qs in out]
+
+    assert set(bars(1.0, 0.0)) == {"none"} and set(bars(1.0, 0.5)) == {"none"}
+    assert set(bars(0.0, 0.0)) == {"bottom"}

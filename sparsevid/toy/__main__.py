@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     tr.add_argument("--paired", default=None, metavar="FOLDER",
                     help="fine-tune FOLDER (the --refine output) as --polish does, on today's clip world, where "
                          "every short-lived object fills a frame pair (train.PAIRED, with --seed 3)")
+    tr.add_argument("--long-when", default=None, metavar="FOLDER",
+                    help="fine-tune FOLDER (the --paired output) on long clips, many without a progress bar "
+                         "(train.LONG_WHEN, with --seed 4)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import FINETUNE, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
+        from .train import FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -104,6 +107,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **POLISH, init_from=a.polish)
         if a.paired:
             cfg = replace(cfg, **PAIRED, init_from=a.paired)
+        if a.long_when:
+            cfg = replace(cfg, **LONG_WHEN, init_from=a.long_when)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
