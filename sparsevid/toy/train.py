@@ -151,14 +151,15 @@ POLISH = dict(REFINE, stage1_steps=0, stage2_steps=1500, stage3_steps=1700, stag
               narration_prob=0.5, style_prob=0.8, single_start=0.1, single_end=0.1)
 # Issue 22's fourth fine-tune (from REFINE's output, the seventeenth session): POLISH's data and schedule
 # in today's clip world (glimpses=False: every short-lived object fills a frame pair, so no training
-# answer asks for a direction that no visual token shows), fresh clips (run it with --seed 3). The shipped
-# weights: --scale 0.75 (3000 steps, 75 min; model card, "The fourth fine-tune").
+# answer asks for a direction that no visual token shows), fresh clips (run it with --seed 3). The fifth
+# fine-tune's parent: --scale 0.75 (3000 steps, 75 min; model card, "The fourth fine-tune").
 PAIRED = dict(POLISH, glimpses=False)
 # Issue 22's fifth fine-tune (from PAIRED's output, the eighteenth session): on 120 reported 256-frame
 # questions the fourth scored 0.90 with the bar and 0.82 without ("when" 0.88 / 0.65, narrations whole
 # 0.53 / 0.41): time in long clips without a bar, read from M-RoPE's temporal positions alone, is its
 # weakest skill. Long clips on 70 % of stage 3's steps, a further 30 % of clips drawn without a bar,
-# a short stage 2 to keep the short-clip skills, a lower learning rate.
+# a short stage 2 to keep the short-clip skills, a lower learning rate. The shipped weights (run it with
+# --seed 4: 1600 steps, 39 min); it gained little on that skill (model card, "The fifth fine-tune").
 LONG_WHEN = dict(PAIRED, stage2_steps=150, stage3_steps=1000, stage4_steps=450, long_prob=0.7, no_bar_prob=0.3,
                  lr=3e-4, lr4=1.5e-4)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
