@@ -23,10 +23,10 @@ sizes, frame shapes, bars, codec), "held-out" (the held-out style family only), 
 top), "glimpses" (the default renderer in the original world, where a short-lived object may be
 seen in two frames of two frame pairs only: `clips.make_clip(glimpses=True)`; the other sets draw
 today's world, where every object fills some pair). Accuracy is then also reported by background
-family, object-size band, bar, codec and number of objects. `qtypes` may include "narrate" (narrations, scored whole and per sentence, against
-the narration in whichever order of appearance fits best: objects that appear in the same frame
-pair may come in any order; `whole_strict` keeps the order training teaches). Every
-answer is checked for loops (`questions.repeats_3gram_3x`) and for running out of tokens.
+family, object-size band, bar, codec and number of objects. `qtypes` may include "narrate"
+(narrations, scored whole and per sentence, against the narration in whichever order of
+appearance fits best: objects that appear in the same frame pair may come in any order;
+`whole_strict` keeps the order training teaches). Every answer is checked for loops (`questions.repeats_3gram_3x`) and for running out of tokens.
 """
 from __future__ import annotations
 
