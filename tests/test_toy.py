@@ -306,7 +306,7 @@ def test_copy_loss_is_minus_log_the_answer_rows_layer0_attention_on_the_words_na
 
 def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
     _shipped()
-    from sparsevid.toy.evaluate import evaluate, ref_kind
+    from sparsevid.toy.evaluate import evaluate, format_report, ref_kind
 
     assert ref_kind(make_sample(1, 8, "shape")) == "colour"  # "What shape is the red object?"
     assert ref_kind(make_sample(1, 8, "colour")) == "shape"  # "What colour is the circle?"
@@ -317,6 +317,22 @@ def test_toy_eval_reports_accuracy_by_type_and_by_how_the_object_is_named():
     assert set(dense["by_ref"]) <= {"colour", "shape", "both"} and {"colour", "shape"} <= set(dense["by_ref"])
     assert 0.5 <= dense["overall"] <= 1.0  # the shipped model answers most held-out questions
     assert 0.0 < res["attention"]["top10_mass"] <= 1.0 and 0.0 <= res["attention"]["box_hit_rate"] <= 1.0
+    # "when" split by how close the object's segment comes to the next third: every "when" counted once
+    assert sum(c for _, c in dense["when_by_margin"].values()) == 2  # 12 questions over 6 types
+    assert "'when' by the segment's distance" in format_report(res)
+
+
+def test_boundary_margin_is_the_nearest_edge_to_a_thirds_boundary():
+    from types import SimpleNamespace
+
+    from sparsevid.toy.evaluate import boundary_margin, margin_band
+
+    # 256 frames: cuts at 85.33 and 170.67; a segment ending at frame 84 is 1.33 frames from the first
+    assert boundary_margin(SimpleNamespace(start=72, end=84), 256) == pytest.approx(4 / 3 / 256)
+    assert margin_band(boundary_margin(SimpleNamespace(start=72, end=84), 256)) == "< 3 %"
+    assert margin_band(boundary_margin(SimpleNamespace(start=110, end=125), 256)) == ">= 6 %"  # 24.7 frames
+    assert margin_band(boundary_margin(SimpleNamespace(start=95, end=110), 256)) == "3-6 %"  # 9.67 frames
+    assert margin_band(boundary_margin(SimpleNamespace(start=0, end=4), 16)) == ">= 6 %"  # 1.33 of 16 frames
 
 
 # ---- issue 22: domain randomisation, narration, degenerate answers (all opt-in)

@@ -112,6 +112,21 @@ def ref_kind(s) -> str | None:
     return "both" if c and sh else ("colour" if c else "shape")
 
 
+MARGIN_BANDS = ((0.03, "< 3 %"), (0.06, "3-6 %"), (math.inf, ">= 6 %"))
+
+
+def boundary_margin(obj, n_frames: int) -> float:
+    """How far an object's visible segment [start, end) lies from the nearest boundary between the
+    clip's thirds (frames n/3 and 2n/3), as a share of the clip: where "when" is decided. A segment
+    always lies inside one third, so a small margin means one edge is close to the next third."""
+    cuts = (n_frames / 3, 2 * n_frames / 3)
+    return min(abs(edge - c) for edge in (obj.start, obj.end) for c in cuts) / n_frames
+
+
+def margin_band(margin: float) -> str:
+    return next(name for hi, name in MARGIN_BANDS if margin < hi)
+
+
 def attention_figures(r: np.ndarray, target: np.ndarray, head_frac: float = 0.25, kmax: int = 16) -> dict:
     L, G, V = r.shape
     k10 = max(1, math.ceil(0.1 * V))
@@ -208,6 +223,8 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
                 acc[m][f"{k}:{v}"].append(ok)
             if ref:
                 acc[m][f"ref:{ref}"].append(ok)
+            if s.qtype == "when":
+                acc[m][f"when_margin:{margin_band(boundary_margin(s.clip.obj(s.obj_id), f))}"].append(ok)
             if m != "dense":
                 acc[m]["same_as_dense"].append(normalise(pred) == normalise(texts["dense"]))
             if m == "dense":
@@ -243,6 +260,9 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
             "by_length_type": {k: mean(v) for k, v in d.items() if k.split(":")[0] in ("short", "long")},
             "by_ref": {k.split(":", 1)[1]: mean(v) for k, v in d.items() if k.startswith("ref:")},
             "by_objects": {k.split(":", 1)[1]: mean(v) for k, v in sorted(d.items()) if k.startswith("objects:")},
+            # "when" by how close the object's segment comes to the next third (accuracy, questions)
+            "when_by_margin": {name: (mean(d[f"when_margin:{name}"]), len(d[f"when_margin:{name}"]))
+                               for _, name in MARGIN_BANDS if d[f"when_margin:{name}"]},
             **{f"by_{facet}": {k.split(":", 1)[1]: mean(v) for k, v in sorted(d.items()) if k.startswith(facet + ":")}
                for facet in ("family", "band", "bar", "codec")},
             "n": len(d["all"]),
@@ -302,6 +322,9 @@ def format_report(res: dict) -> str:
                      + "  ".join(f"{k} {v:.2f}" for k, v in sorted(a["by_ref"].items())))
         lines.append("  by length and type: " + "  ".join(f"{k} {v:.2f}" for k, v in sorted(a["by_length_type"].items())))
         lines.append("  by number of objects: " + "  ".join(f"{k} {v:.2f}" for k, v in a.get("by_objects", {}).items()))
+        if a.get("when_by_margin"):
+            lines.append("  'when' by the segment's distance to the next third (share of the clip): "
+                         + "  ".join(f"{k} {v:.2f} (n={c})" for k, (v, c) in a["when_by_margin"].items()))
         for facet in ("family", "band", "bar", "codec"):
             d = a.get(f"by_{facet}", {})
             if len(d) > 1 or (d and "original" not in d):
