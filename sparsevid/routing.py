@@ -7,8 +7,11 @@ head is dropped). `routed_attention` then computes, for every prompt row `t`, ea
 over its positions `<= t` only:
 
 - heads whose positions are the whole prompt run plain causal SDPA;
-- heads with a subset gather that subset's K/V once and attend over it (a `[m, n]` causal mask on
-  `n` kept keys, not a mask over all `m` keys), so the work falls with the number of keys kept;
+- heads with a subset gather that subset's K/V once and attend over it, so the work falls with the
+  number `n` of keys kept: the kept rows run plain causal SDPA over the gathered rows and keys (kept
+  row i reads kept keys 0..i), and only the other rows take a mask, in blocks of rows that each read
+  the keys kept before their last row (`ROW_BLOCK`); one `[m, n]` mask for every row measured
+  1.3-2x dense's causal attention on a CPU at n = 0.5-0.9 m, this way 0.8-1.3x;
 - dropped heads compute nothing and output 0.
 
 Heads that read the same positions share one SDPA call: with whole-GQA-group roles a layer makes one
@@ -26,6 +29,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+ROW_BLOCK = 256  # unselected rows per masked SDPA call (measured: 256-512 equally fast on a 2-core CPU)
 
 
 def head_positions(keep: list[torch.Tensor], query_mask: torch.Tensor | None, head_scale: torch.Tensor | None,
@@ -91,12 +97,24 @@ def routed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             continue
         if pos.numel() == 0:
             continue
-        first = int(pos[0])  # rows before the first kept position see nothing: they stay 0
         k, v = k[:, :, pos], v[:, :, pos]  # [1, h_b, n, D]: the kept keys, gathered once
-        mask = pos[None, :] <= torch.arange(first, m, device=dev)[:, None]  # [m - first, n]
-        o = F.scaled_dot_product_attention(query[:, hq, first:], k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=whole_groups)
-        out[:, first:, hq] = o.transpose(1, 2)
+        q = query[:, hq]
+        # a kept row pos[i] reads kept keys 0..i: plain causal attention over the gathered rows and keys
+        o = F.scaled_dot_product_attention(q[:, :, pos], k, v, is_causal=True, scale=scale, enable_gqa=whole_groups)
+        out[:, pos[:, None], hq] = o.transpose(1, 2)
+        # the other rows (unselected visual rows) read the kept keys before them: masked, in blocks of
+        # rows, each over the keys kept before its last row only; rows before pos[0] see nothing (0)
+        others = torch.ones(m, dtype=torch.bool, device=dev)
+        others[pos] = False
+        others[:int(pos[0])] = False
+        rows = others.nonzero().squeeze(1)
+        for a in range(0, rows.numel(), ROW_BLOCK):
+            r = rows[a:a + ROW_BLOCK]
+            n = int(torch.searchsorted(pos, int(r[-1]) + 1))  # kept keys at positions <= the block's last row
+            mask = pos[None, :n] <= r[:, None]  # [rows, n]
+            o = F.scaled_dot_product_attention(q[:, :, r], k[:, :, :n], v[:, :, :n], attn_mask=mask, scale=scale,
+                                               enable_gqa=whole_groups)
+            out[:, r[:, None], hq] = o.transpose(1, 2)
     if head_scale is not None and bool(((head_scale != 0) & (head_scale != 1)).any()):
         out = out * head_scale.to(dev, out.dtype).view(1, 1, H, 1)
     return out

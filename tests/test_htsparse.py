@@ -189,6 +189,23 @@ def test_routed_attention_matches_hand_softmax():
     assert late[0, :3, 2:].eq(0).all() and late[0, 3:, 2:].ne(0).any()
 
 
+def test_routed_attention_over_several_row_blocks_matches_the_reference():
+    """Kept rows (causal over the gathered keys) and unselected rows (masked, several ROW_BLOCKs of
+    them) of a sparse group both equal the float64 mask over all keys; rows before its first kept
+    position stay 0."""
+    from sparsevid.routing import ROW_BLOCK
+
+    torch.manual_seed(1)
+    H, Hkv, m, D = 4, 2, 3 * ROW_BLOCK + 37, 8
+    q, k, v = torch.randn(1, H, m, D), torch.randn(1, Hkv, m, D), torch.randn(1, Hkv, m, D)
+    sel = (torch.randperm(m - 7)[: m // 3] + 7).sort().values  # a third of the positions, none before 7
+    keep = [torch.arange(m), sel]
+    out = routed_attention(q, k, v, D ** -0.5, keep)
+    ref = masked_reference(q, k, v, D ** -0.5, keep)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert out[0, : int(sel[0]), 2:].eq(0).all()
+
+
 # --- on the tiny model ----------------------------------------------------------------------------
 
 
