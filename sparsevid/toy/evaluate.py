@@ -26,7 +26,8 @@ today's world, where every object fills some pair). Accuracy is then also report
 family, object-size band, bar, codec and number of objects. `qtypes` may include "narrate"
 (narrations, scored whole and per sentence, against the narration in whichever order of
 appearance fits best: objects that appear in the same frame pair may come in any order;
-`whole_strict` keeps the order training teaches). Every answer is checked for loops (`questions.repeats_3gram_3x`) and for running out of tokens.
+`whole_strict` keeps the order training teaches). Every answer is checked for loops
+(`questions.repeats_3gram_3x`) and for running out of tokens.
 """
 from __future__ import annotations
 
@@ -117,8 +118,9 @@ MARGIN_BANDS = ((0.03, "< 3 %"), (0.06, "3-6 %"), (math.inf, ">= 6 %"))
 
 def boundary_margin(obj, n_frames: int) -> float:
     """How far an object's visible segment [start, end) lies from the nearest boundary between the
-    clip's thirds (frames n/3 and 2n/3), as a share of the clip: where "when" is decided. A segment
-    always lies inside one third, so a small margin means one edge is close to the next third."""
+    clip's thirds (frames n/3 and 2n/3, as `clips.phase_of` cuts), as a share of the clip: where
+    "when" is decided. A segment always lies inside one third, so a small margin means one edge is
+    close to the next third."""
     cuts = (n_frames / 3, 2 * n_frames / 3)
     return min(abs(edge - c) for edge in (obj.start, obj.end) for c in cuts) / n_frames
 
@@ -208,6 +210,7 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
         length = "short" if f <= SHORT_MAX else "long"
         ref = ref_kind(s)
         facets = style_keys(s)
+        band = margin_band(boundary_margin(s.clip.obj(s.obj_id), f)) if s.qtype == "when" else None
         answers = s.answers  # a narration: one per order of appearance, computed once per item
         for m, pred in texts.items():
             ok = is_answer(pred, answers)
@@ -223,8 +226,8 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
                 acc[m][f"{k}:{v}"].append(ok)
             if ref:
                 acc[m][f"ref:{ref}"].append(ok)
-            if s.qtype == "when":
-                acc[m][f"when_margin:{margin_band(boundary_margin(s.clip.obj(s.obj_id), f))}"].append(ok)
+            if band:
+                acc[m][f"when_margin:{band}"].append(ok)
             if m != "dense":
                 acc[m]["same_as_dense"].append(normalise(pred) == normalise(texts["dense"]))
             if m == "dense":
@@ -261,8 +264,8 @@ def evaluate(model_dir: str, n: int = 60, frames=(16, 256), methods=("dense",), 
             "by_ref": {k.split(":", 1)[1]: mean(v) for k, v in d.items() if k.startswith("ref:")},
             "by_objects": {k.split(":", 1)[1]: mean(v) for k, v in sorted(d.items()) if k.startswith("objects:")},
             # "when" by how close the object's segment comes to the next third (accuracy, questions)
-            "when_by_margin": {name: (mean(d[f"when_margin:{name}"]), len(d[f"when_margin:{name}"]))
-                               for _, name in MARGIN_BANDS if d[f"when_margin:{name}"]},
+            "when_by_margin": {name: (mean(v), len(v)) for _, name in MARGIN_BANDS
+                               if (v := d.get(f"when_margin:{name}"))},
             **{f"by_{facet}": {k.split(":", 1)[1]: mean(v) for k, v in sorted(d.items()) if k.startswith(facet + ":")}
                for facet in ("family", "band", "bar", "codec")},
             "n": len(d["all"]),
