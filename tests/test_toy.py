@@ -734,6 +734,39 @@ def test_finetune_starts_from_the_checkpoint_with_rows_moved_by_token_string(nar
                 torch.equal(new["lm_head.weight"][i], old["lm_head.weight"][old_vocab[text]])
 
 
+def test_a_grown_model_answers_exactly_as_its_parent_before_training():
+    """A deepening fine-tune (`TrainConfig.grow_at`) inserts identity layers: before its first step
+    the grown model's logits are its parent's, and the parent's layers sit around the new ones."""
+    _shipped()
+    from dataclasses import replace
+
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from sparsevid.toy.data import collate, encode
+    from sparsevid.toy.train import DEEPER, TrainConfig, build_tokenizer_and_model, init_from_checkpoint
+
+    old = Qwen2VLForConditionalGeneration.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    n = old.config.text_config.num_hidden_layers
+    cfg = replace(TrainConfig(), **{**DEEPER, "layers": n + 2, "grow_at": (2, n + 1)})
+    _, tok, special, model = build_tokenizer_and_model(cfg)
+    init_from_checkpoint(model, tok, DEFAULT_MODEL_DIR, cfg.grow_at)
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
+    model.eval()
+    old_layers, new_layers = old.model.language_model.layers, model.model.language_model.layers
+    assert len(new_layers) == n + 2
+    assert torch.equal(new_layers[3].mlp.up_proj.weight, old_layers[2].mlp.up_proj.weight)
+    assert not new_layers[2].mlp.down_proj.weight.any() and new_layers[2].mlp.up_proj.weight.any()
+    torch.set_num_threads(1)
+    batch = collate([encode(make_sample(1_700_000_001, 16, "when"), tok, special)], special["<|endoftext|>"],
+                    special["<|video_pad|>"])
+    batch.pop("labels")
+    with torch.no_grad():
+        assert torch.allclose(model(**batch).logits, old(**batch).logits, atol=1e-5)
+    with pytest.raises(ValueError, match="not the same architecture"):
+        init_from_checkpoint(model, tok, DEFAULT_MODEL_DIR)  # grown sizes without grow_at
+
+
 def test_attribute_weighted_answer_loss():
     """`--attr-weight`: the attribute words' tokens of the shipped tokenizer, and a CE that is the
     model's own at weight 1 and counts those targets `weight` times otherwise."""

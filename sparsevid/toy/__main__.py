@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     tr.add_argument("--long-when", default=None, metavar="FOLDER",
                     help="fine-tune FOLDER (the --paired output) on long clips, many without a progress bar "
                          "(train.LONG_WHEN, with --seed 4)")
+    tr.add_argument("--deeper", default=None, metavar="FOLDER",
+                    help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as identities, "
+                         "and fine-tune it as --long-when does (train.DEEPER, with --seed 5)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
+        from .train import DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **PAIRED, init_from=a.paired)
         if a.long_when:
             cfg = replace(cfg, **LONG_WHEN, init_from=a.long_when)
+        if a.deeper:
+            cfg = replace(cfg, **DEEPER, init_from=a.deeper)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:

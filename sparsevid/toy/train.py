@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -116,6 +117,11 @@ class TrainConfig:
     no_bar_prob: float = 0.0
     init_from: str = ""  # fine-tune: start from this checkpoint's weights (a folder) instead of a fresh
     # model; the tokenizer is this config's, and embedding / LM-head rows move over by token string
+    # a deepening fine-tune: indices (in this config's `layers`) of language-model layers inserted
+    # into `init_from`'s model, which has `layers - len(grow_at)`; each starts as the identity (its
+    # attention output and MLP down projections zero, the rest freshly initialised), so the grown
+    # model answers exactly as its parent before the first step (block expansion, as LLaMA Pro)
+    grow_at: tuple = ()
 
 
 # The two-pass recipe: stage 1, a full-length tower pass through the first 2 layers of the language
@@ -162,6 +168,12 @@ PAIRED = dict(POLISH, glimpses=False)
 # --seed 4: 1600 steps, 39 min); it gained little on that skill (model card, "The fifth fine-tune").
 LONG_WHEN = dict(PAIRED, stage2_steps=150, stage3_steps=1000, stage4_steps=450, long_prob=0.7, no_bar_prob=0.3,
                  lr=3e-4, lr4=1.5e-4)
+# Issue 22's sixth fine-tune (from LONG_WHEN's output, the twentieth session): LONG_WHEN's data and
+# schedule on a model grown from 4 to 6 layers (one identity layer inserted after the parent's second
+# layer and one after its last). LONG_WHEN's data taught the 4-layer model little about telling a long
+# clip's thirds without a bar: "beginning / middle / end" is a ratio of two temporal distances, which
+# takes more than one attention score to form. Run it with --seed 5 (fresh clips).
+DEEPER = dict(LONG_WHEN, layers=6, grow_at=(2, 5), lr=5e-4, lr4=2e-4)
 TINY = dict(stage1_steps=2, tower_steps=(2, 1, 1), stage2_steps=2, stage3_steps=1, stage4_steps=1, short_tokens=300,
             long_tokens=900, ckpt_every=0, long_frames=(48,), short_frames=(8,), short_probs=(1.0,), warmup=1)
 
@@ -259,21 +271,34 @@ def build_tokenizer_and_model(cfg: TrainConfig):
     return tok_obj, tok, special, model
 
 
-def init_from_checkpoint(model, tok, folder: str) -> dict:
-    """Load `folder`'s weights into `model` (same sizes; the vocabulary may differ): every tensor but
-    the token embeddings and LM head as is; an embedding / LM-head row of a token whose string the
-    old tokenizer has is copied, any other row is the mean of the old rows of the pieces the old
-    tokenizer splits the string into. -> counts of rows copied and composed."""
+def grown_layer_names(old: dict, grow_at: tuple) -> dict:
+    """`old`'s state dict with its language-model layers renumbered around the inserted layers
+    `grow_at` (new indices): old layer k becomes the k-th index not in `grow_at`."""
+    n_old = 1 + max(int(m.group(1)) for k in old if (m := re.search(r"language_model\.layers\.(\d+)\.", k)))
+    new_index = [i for i in range(n_old + len(grow_at)) if i not in grow_at]
+    return {re.sub(r"(language_model\.layers\.)(\d+)\.", lambda m: f"{m.group(1)}{new_index[int(m.group(2))]}.", k): v
+            for k, v in old.items()}
+
+
+def init_from_checkpoint(model, tok, folder: str, grow_at: tuple = ()) -> dict:
+    """Load `folder`'s weights into `model` (same sizes, or with the layers `grow_at` inserted; the
+    vocabulary may differ): every tensor but the token embeddings and LM head as is; an embedding /
+    LM-head row of a token whose string the old tokenizer has is copied, any other row is the mean of
+    the old rows of the pieces the old tokenizer splits the string into. An inserted layer keeps its
+    fresh weights with its two output projections zero: the identity. -> counts of rows copied and
+    composed."""
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
     old = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
+    old = grown_layer_names(old, grow_at) if grow_at else old
     old_tok = AutoTokenizer.from_pretrained(folder)
     old_vocab = old_tok.get_vocab()
     emb_key = next(k for k in old if k.endswith("embed_tokens.weight"))
     state = model.state_dict()
-    missing = [k for k in state if k not in old]
+    grown = tuple(f"language_model.layers.{i}." for i in grow_at)
+    missing = [k for k in state if k not in old and not any(g in k for g in grown)] + [k for k in old if k not in state]
     if missing:
-        raise ValueError(f"{folder} lacks {missing[:3]}: not the same architecture")
+        raise ValueError(f"{folder} does not match this model ({missing[:3]} ...): not the same architecture")
     new_emb, new_head = state[emb_key].clone(), state["lm_head.weight"].clone()
     counts = {"copied": 0, "composed": 0}
     for text, i in tok.get_vocab().items():
@@ -287,6 +312,9 @@ def init_from_checkpoint(model, tok, folder: str) -> dict:
         new_head[i] = old["lm_head.weight"][j].mean(0)
     old = {k: v for k, v in old.items() if k in state}
     old[emb_key], old["lm_head.weight"] = new_emb, new_head
+    for k in state:
+        if any(g in k for g in grown):
+            old[k] = torch.zeros_like(state[k]) if k.endswith(("o_proj.weight", "down_proj.weight")) else state[k]
     model.load_state_dict(old)
     return counts
 
@@ -528,7 +556,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
     t0 = time.time()
     tok_obj, tok, special, model = build_tokenizer_and_model(cfg)
     if cfg.init_from:
-        print(f"initialised from {cfg.init_from}: {init_from_checkpoint(model, tok, cfg.init_from)}", flush=True)
+        counts = init_from_checkpoint(model, tok, cfg.init_from, cfg.grow_at)
+        print(f"initialised from {cfg.init_from}: {counts}", flush=True)
     attr_ids = attribute_token_ids(tok)
     aux = AuxHeads(cfg.hidden)
     model.train()
