@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                          "(train.LONG_WHEN, with --seed 4)")
     tr.add_argument("--deeper", default=None, metavar="FOLDER",
                     help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as identities, "
-                         "and fine-tune it as --long-when does (train.DEEPER, with --seed 5)")
+                         "and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, not shipped)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
