@@ -718,10 +718,10 @@ def test_finetune_starts_from_the_checkpoint_with_rows_moved_by_token_string(nar
 
     from sparsevid.toy.train import TrainConfig, build_tokenizer_and_model, init_from_checkpoint
 
-    old = Qwen2VLForConditionalGeneration.from_pretrained(DEFAULT_MODEL_DIR)
-    layers = old.config.text_config.num_hidden_layers
-    old = old.state_dict()
-    _, tok, _, model = build_tokenizer_and_model(TrainConfig(narration_prob=0.15 if narration else 0.0, layers=layers))
+    parent = Qwen2VLForConditionalGeneration.from_pretrained(DEFAULT_MODEL_DIR)
+    old = parent.state_dict()
+    _, tok, _, model = build_tokenizer_and_model(TrainConfig(narration_prob=0.15 if narration else 0.0,
+                                                             layers=parent.config.text_config.num_hidden_layers))
     counts = init_from_checkpoint(model, tok, DEFAULT_MODEL_DIR)
     old_vocab = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR).get_vocab()
     new = model.state_dict()

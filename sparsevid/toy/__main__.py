@@ -44,8 +44,9 @@ def main(argv=None) -> int:
                     help="fine-tune FOLDER (the --paired output) on long clips, many without a progress bar "
                          "(train.LONG_WHEN, with --seed 4)")
     tr.add_argument("--deeper", default=None, metavar="FOLDER",
-                    help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as identities, "
-                         "and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, not shipped)")
+                    help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as "
+                         "identities, and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, "
+                         "not shipped)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS, TrainConfig, train
+        from .train import (DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS,
+                            TrainConfig, train)
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:

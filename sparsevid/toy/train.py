@@ -299,9 +299,10 @@ def init_from_checkpoint(model, tok, folder: str, grow_at: tuple = ()) -> dict:
     emb_key = next(k for k in old if k.endswith("embed_tokens.weight"))
     state = model.state_dict()
     grown = tuple(f"language_model.layers.{i}." for i in grow_at)
-    missing = [k for k in state if k not in old and not any(g in k for g in grown)] + [k for k in old if k not in state]
-    if missing:
-        raise ValueError(f"{folder} does not match this model ({missing[:3]} ...): not the same architecture")
+    mismatch = [k for k in state if k not in old and not any(g in k for g in grown)]
+    mismatch += [k for k in old if k not in state]
+    if mismatch:
+        raise ValueError(f"{folder} does not match this model ({mismatch[:3]} ...): not the same architecture")
     new_emb, new_head = state[emb_key].clone(), state["lm_head.weight"].clone()
     counts = {"copied": 0, "composed": 0}
     for text, i in tok.get_vocab().items():
