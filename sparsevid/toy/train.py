@@ -292,15 +292,15 @@ def init_from_checkpoint(model, tok, folder: str, grow_at: tuple = ()) -> dict:
     composed."""
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-    old = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
-    old = grown_layer_names(old, grow_at) if grow_at else old
+    old = grown_layer_names(Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict(),
+                            grow_at)
     old_tok = AutoTokenizer.from_pretrained(folder)
     old_vocab = old_tok.get_vocab()
     emb_key = next(k for k in old if k.endswith("embed_tokens.weight"))
     state = model.state_dict()
     grown = tuple(f"language_model.layers.{i}." for i in grow_at)
-    mismatch = [k for k in state if k not in old and not any(g in k for g in grown)]
-    mismatch += [k for k in old if k not in state]
+    new_keys = [k for k in state if any(g in k for g in grown)]  # the inserted layers' tensors
+    mismatch = [k for k in state if k not in old and k not in new_keys] + [k for k in old if k not in state]
     if mismatch:
         raise ValueError(f"{folder} does not match this model ({mismatch[:3]} ...): not the same architecture")
     new_emb, new_head = state[emb_key].clone(), state["lm_head.weight"].clone()
@@ -314,11 +314,9 @@ def init_from_checkpoint(model, tok, folder: str, grow_at: tuple = ()) -> dict:
             counts["composed"] += 1
         new_emb[i] = old[emb_key][j].mean(0)
         new_head[i] = old["lm_head.weight"][j].mean(0)
-    old = {k: v for k, v in old.items() if k in state}
     old[emb_key], old["lm_head.weight"] = new_emb, new_head
-    for k in state:
-        if any(g in k for g in grown):
-            old[k] = torch.zeros_like(state[k]) if k.endswith(("o_proj.weight", "down_proj.weight")) else state[k]
+    for k in new_keys:
+        old[k] = torch.zeros_like(state[k]) if k.endswith(("o_proj.weight", "down_proj.weight")) else state[k]
     model.load_state_dict(old)
     return counts
 
