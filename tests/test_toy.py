@@ -807,6 +807,21 @@ def test_direction_probe_reads_motion_from_tokens_that_see_it(capsys):
     assert 0.0 <= res["one_frame_tokens"]["accuracy"] <= 1.0 and res["one_frame_tokens"]["n_test"] > 50
 
 
+def test_time_probe_reads_each_visual_tokens_frame_pair(capsys):
+    """`python -m sparsevid.toy probe --time`: in clips without a bar the shipped model's visual rows
+    tell their frame pair from the second layer on (what "when" builds on), and the clip-length probe
+    of the rows after the video is reported beside it, one figure per hidden state."""
+    from sparsevid.toy.__main__ import main
+
+    assert main(["probe", "--time", "--n", "30", "--frames", "64,128", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    layers = 1 + json.load(open(os.path.join(DEFAULT_MODEL_DIR, "config.json")))["text_config"]["num_hidden_layers"]
+    assert set(res) == {"visual_pair", "clip_length"} and all(len(r) == layers for r in res.values())
+    assert res["visual_pair"][0]["r2"] < 0.3  # the embeddings know no position
+    assert all(r["r2"] > 0.8 for r in res["visual_pair"][2:])
+    assert all(np.isfinite(r["mae"]) for r in res["clip_length"])
+
+
 def test_no_bar_share_draws_training_clips_without_the_progress_bar():
     """`TrainConfig.no_bar_prob` (the fifth fine-tune's 0.3): at 1 every training clip, default
     renderer or random style, comes without its progress bar; at 0 the bar stays where the style
@@ -820,3 +835,37 @@ def test_no_bar_share_draws_training_clips_without_the_progress_bar():
 
     assert set(bars(1.0, 0.0)) == {"none"} and set(bars(1.0, 0.5)) == {"none"}
     assert set(bars(0.0, 0.0)) == {"bottom"}
+
+
+def test_the_time_loss_asks_each_row_for_the_frame_pairs_up_to_it(tmp_path):
+    """`time_rows`: a visual token of frame pair p is asked for log(p + 1), every row after the video
+    (the question, the answer) for the log of the clip's pairs, whatever the clip's length and the
+    frame size; a tiny run with the loss on trains and saves a plain checkpoint (the head dropped)."""
+    from dataclasses import replace
+
+    import torch
+    from safetensors.torch import load_file
+
+    from sparsevid.toy.data import encode
+    from sparsevid.toy.train import TIMED, TINY, TrainConfig, build_tokenizer_and_model, time_rows, train
+
+    cfg = replace(TrainConfig(seed=4, threads=1, hidden=64, vision_embed=32, vision_depth=1, layers=2,
+                              data_workers=0), **TIMED)
+    cfg = replace(cfg, **TINY, init_from="")
+    _, tok, special, _ = build_tokenizer_and_model(cfg)
+    encs = [encode(make_sample(5, 16, "when"), tok, special), encode(make_sample(6, 40, "colour"), tok, special)]
+    b, rows, y, vis = time_rows(encs)
+    for i, (e, pairs) in enumerate(zip(encs, (8, 20))):
+        mine = b == i
+        cells = e.n_visual // pairs
+        assert int((mine & vis).sum()) == e.n_visual
+        assert int((mine & ~vis).sum()) == len(e.input_ids) - e.vis_start - e.n_visual
+        first, last = rows[mine & vis].min().item(), rows[mine & vis].max().item()
+        assert (first, last) == (e.vis_start, e.vis_start + e.n_visual - 1)
+        visual_y = y[mine & vis]
+        assert torch.allclose(visual_y[:cells], torch.zeros(cells))  # the first pair: log 1
+        assert torch.allclose(visual_y[-1], torch.tensor(np.log(pairs), dtype=torch.float32))
+        assert torch.allclose(y[mine & ~vis], torch.full((int((mine & ~vis).sum()),), float(np.log(pairs))))
+    info = train(cfg, str(tmp_path / "m"), progress=False)
+    assert np.isfinite(info["final_loss"]["time"]) and info["final_loss"]["time"] > 0
+    assert not any("time" in k or "readout" in k for k in load_file(str(tmp_path / "m" / "model.safetensors")))

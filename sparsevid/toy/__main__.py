@@ -47,6 +47,9 @@ def main(argv=None) -> int:
                     help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as "
                          "identities, and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, "
                          "not shipped)")
+    tr.add_argument("--timed", default=None, metavar="FOLDER",
+                    help="fine-tune FOLDER (the --long-when output) as --long-when does, plus a time loss that asks "
+                         "each row for the log of the frame pairs up to it (train.TIMED, with --seed 6)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -82,9 +85,14 @@ def main(argv=None) -> int:
     pr = sub.add_parser("probe", help="linear probes of motion direction in the vision tower's output (what a "
                                       "visual token can tell of its object's direction)")
     pr.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    pr.add_argument("--n", type=int, default=1500, help="clips (a fifth of them held out for scoring)")
+    pr.add_argument("--n", type=int, default=None,
+                    help="clips (a fifth of them held out for scoring; default 1500, with --time 150)")
     pr.add_argument("--frames", default="8,16", help="comma list of clip lengths, cycled")
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--time", action="store_true",
+                    help="instead: how well each layer's rows tell a visual token's frame pair and, after the "
+                         "video, the clip's length, in clips without a progress bar (ridge regressions; "
+                         "--frames default 64,96,128,192,256)")
     a = ap.parse_args(argv)
 
     if a.cmd == "make-eval":
@@ -96,8 +104,8 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import (DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TINY, TWO_PASS,
-                            TrainConfig, train)
+        from .train import (DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TIMED, TINY,
+                            TWO_PASS, TrainConfig, train)
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
@@ -116,6 +124,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **LONG_WHEN, init_from=a.long_when)
         if a.deeper:
             cfg = replace(cfg, **DEEPER, init_from=a.deeper)
+        if a.timed:
+            cfg = replace(cfg, **TIMED, init_from=a.timed)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
@@ -159,10 +169,25 @@ def main(argv=None) -> int:
         else:
             print(format_report(res))
         return 0
+    if a.cmd == "probe" and a.time:
+        from .probe import time_probes
+
+        frames = [int(f) for f in a.frames.split(",") if f] if a.frames != "8,16" else [64, 96, 128, 192, 256]
+        res = time_probes(a.model, n=a.n or 150, frames=frames, progress=not a.json)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print("R^2 (mean abs. error, log units) of a ridge regression from each hidden state; no progress bar")
+            for k, r in res.items():
+                what = "visual token's frame pair" if k == "visual_pair" else "clip length, rows after the video"
+                print(f"{what:34s} " + "  ".join(f"{name} {v['r2']:.2f} ({v['mae']:.2f})" for name, v in
+                                                  zip(["emb", *(f"L{j}" for j in range(1, len(r)))], r)))
+        return 0
     if a.cmd == "probe":
         from .probe import direction_probes
 
-        res = direction_probes(a.model, n_train=a.n - a.n // 5, n_test=a.n // 5,
+        n = a.n or 1500
+        res = direction_probes(a.model, n_train=n - n // 5, n_test=n // 5,
                                frames=[int(f) for f in a.frames.split(",") if f], progress=not a.json)
         if a.json:
             print(json.dumps(res))

@@ -97,3 +97,63 @@ def direction_probes(model_dir: str, n_train: int = 1200, n_test: int = 300, fra
         out["glimpsed_objects"] = {"accuracy": _linear_probe(torch.stack(obj_x), torch.tensor(obj_y), ~ot),
                                    "n_test": int(ot.sum())}
     return out
+
+
+def _ridge_r2(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor) -> dict:
+    """R^2 and mean absolute error, on the rows not in `train`, of a ridge regression of y on x
+    (standardised) fitted to the rows in it, its penalty chosen on the last quarter of those rows
+    (rows come clip by clip, so that is other clips) -> {"r2", "mae"}."""
+    mu, sd = x[train].mean(0), x[train].std(0) + 1e-5
+    x = torch.cat([(x - mu) / sd, torch.ones(len(x), 1)], 1).double()
+    y = y.double()
+
+    def fit(rows: torch.Tensor, lam: float) -> torch.Tensor:
+        a = x[rows]
+        return torch.linalg.solve(a.T @ a + lam * len(a) * torch.eye(x.shape[1], dtype=x.dtype), a.T @ y[rows])
+
+    idx = torch.nonzero(train).squeeze(1)
+    fit_rows, val_rows = idx[: len(idx) * 3 // 4], idx[len(idx) * 3 // 4:]
+    lam = min((1e-4, 1e-3, 1e-2, 1e-1, 1.0), key=lambda l: float(((x[val_rows] @ fit(fit_rows, l) - y[val_rows]) ** 2).mean()))
+    err = x[~train] @ fit(idx, lam) - y[~train]
+    return {"r2": float(1 - (err ** 2).mean() / y[~train].var()), "mae": float(err.abs().mean())}
+
+
+@torch.no_grad()
+def time_probes(model_dir: str, n: int = 120, frames=(64, 96, 128, 192, 256), progress: bool = True) -> dict:
+    """What the language model's rows know of time in clips without a progress bar: ridge regressions,
+    from each layer's output, of a visual token's frame pair (log(p + 1)) and, from the rows after the
+    video, of the clip's length (log of its pairs). "Beginning / middle / end" without a bar is the one
+    against the other. `n` "when" questions (the last fifth scored), their lengths cycling over `frames`
+    -> {"visual_pair" | "clip_length": [{"r2", "mae"} per hidden state: embeddings, layer 1, ...]}."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from .clips import LEGACY
+    from .data import collate, encode
+    from .evaluate import load_toy
+
+    tok, model, special = load_toy(model_dir, attn="sdpa")
+    rng = np.random.default_rng(0)
+    vis_x, vis_y, vis_test, txt_x, txt_y, txt_test = [], [], [], [], [], []
+    for i in tqdm(range(n), desc="toy time probe", disable=not progress, mininterval=2.0):
+        e = encode(make_sample(TEST_SEED_BASE + i, frames[i % len(frames)], "when", style=replace(LEGACY, bar="none"),
+                               glimpses=False), tok, special, with_answer=False)
+        batch = collate([e], special["<|endoftext|>"], special["<|video_pad|>"])
+        batch.pop("labels")
+        hs = torch.stack(model(**batch, output_hidden_states=True).hidden_states)[:, 0]  # [layers + 1, L, hidden]
+        gt = int(e.grid_thw[0, 0])
+        pick = torch.from_numpy(rng.choice(e.n_visual, min(60, e.n_visual), replace=False))
+        after = torch.arange(e.vis_start + e.n_visual, e.questions[0].prompt_len)
+        vis_x.append(hs[:, e.vis_start + pick])
+        vis_y.append(torch.log(pick // (e.n_visual // gt) + 1.0))
+        txt_x.append(hs[:, after])
+        txt_y.append(torch.full((len(after),), float(np.log(gt))))
+        test = i >= n - n // 5
+        vis_test.append(torch.full((len(pick),), test))
+        txt_test.append(torch.full((len(after),), test))
+    out = {}
+    for name, xs, ys, ts in (("visual_pair", vis_x, vis_y, vis_test), ("clip_length", txt_x, txt_y, txt_test)):
+        x, y, t = torch.cat(xs, 1), torch.cat(ys), torch.cat(ts)
+        out[name] = [_ridge_r2(x[k], y, ~t) for k in range(x.shape[0])]
+    return out
