@@ -28,7 +28,7 @@ def main(argv=None) -> int:
                     help="issue 22: random clip styles (never the held-out family), frame counts of every "
                          "size and narration questions (train.RANDOMISED; --style-prob/--narration-prob override)")
     tr.add_argument("--finetune", default=None, metavar="FOLDER",
-                    help="issue 22's shipped recipe: fine-tune the model in FOLDER (the default recipe's output) "
+                    help="issue 22's first fine-tune: fine-tune the model in FOLDER (the default recipe's output) "
                          "on the randomised data (train.FINETUNE: no stage 1, 4100 answer steps)")
     tr.add_argument("--refine", default=None, metavar="FOLDER",
                     help="issue 22's second fine-tune of the model in FOLDER (the --finetune output): the vision "
@@ -48,8 +48,9 @@ def main(argv=None) -> int:
                          "identities, and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, "
                          "not shipped)")
     tr.add_argument("--timed", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --long-when output) as --long-when does, plus a time loss that asks "
-                         "each row for the log of the frame pairs up to it (train.TIMED, with --seed 6)")
+                    help="the shipped weights' recipe: fine-tune FOLDER (the --long-when output) as --long-when "
+                         "does, plus a time loss that asks each row for the log of the frame pairs up to it "
+                         "(train.TIMED, with --seed 6)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
