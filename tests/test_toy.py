@@ -839,8 +839,8 @@ def test_no_bar_share_draws_training_clips_without_the_progress_bar():
 
 def test_the_time_loss_asks_each_row_for_the_frame_pairs_up_to_it(tmp_path):
     """`time_rows`: a visual token of frame pair p is asked for log(p + 1), every row after the video
-    (the question, the answer) for the log of the clip's pairs, whatever the clip's length and the
-    frame size; a tiny run with the loss on trains and saves a plain checkpoint (the head dropped)."""
+    (the question, the answer) for the log of the clip's pairs, at any clip length; a tiny run with
+    the loss on trains and saves a plain checkpoint (the head dropped)."""
     from dataclasses import replace
 
     import torch

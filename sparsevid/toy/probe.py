@@ -113,13 +113,14 @@ def _ridge_r2(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor) -> dict:
 
     idx = torch.nonzero(train).squeeze(1)
     fit_rows, val_rows = idx[: len(idx) * 3 // 4], idx[len(idx) * 3 // 4:]
-    lam = min((1e-4, 1e-3, 1e-2, 1e-1, 1.0), key=lambda l: float(((x[val_rows] @ fit(fit_rows, l) - y[val_rows]) ** 2).mean()))
+    lam = min((1e-4, 1e-3, 1e-2, 1e-1, 1.0),
+              key=lambda l: float(((x[val_rows] @ fit(fit_rows, l) - y[val_rows]) ** 2).mean()))
     err = x[~train] @ fit(idx, lam) - y[~train]
     return {"r2": float(1 - (err ** 2).mean() / y[~train].var()), "mae": float(err.abs().mean())}
 
 
 @torch.no_grad()
-def time_probes(model_dir: str, n: int = 120, frames=(64, 96, 128, 192, 256), progress: bool = True) -> dict:
+def time_probes(model_dir: str, n: int = 150, frames=(64, 96, 128, 192, 256), progress: bool = True) -> dict:
     """What the language model's rows know of time in clips without a progress bar: ridge regressions,
     from each layer's output, of a visual token's frame pair (log(p + 1)) and, from the rows after the
     video, of the clip's length (log of its pairs). "Beginning / middle / end" without a bar is the one
@@ -137,8 +138,9 @@ def time_probes(model_dir: str, n: int = 120, frames=(64, 96, 128, 192, 256), pr
     rng = np.random.default_rng(0)
     vis_x, vis_y, vis_test, txt_x, txt_y, txt_test = [], [], [], [], [], []
     for i in tqdm(range(n), desc="toy time probe", disable=not progress, mininterval=2.0):
-        e = encode(make_sample(TEST_SEED_BASE + i, frames[i % len(frames)], "when", style=replace(LEGACY, bar="none"),
-                               glimpses=False), tok, special, with_answer=False)
+        s = make_sample(TEST_SEED_BASE + i, frames[i % len(frames)], "when", style=replace(LEGACY, bar="none"),
+                        glimpses=False)
+        e = encode(s, tok, special, with_answer=False)
         batch = collate([e], special["<|endoftext|>"], special["<|video_pad|>"])
         batch.pop("labels")
         hs = torch.stack(model(**batch, output_hidden_states=True).hidden_states)[:, 0]  # [layers + 1, L, hidden]

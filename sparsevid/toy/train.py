@@ -281,10 +281,9 @@ def time_head(hidden: int) -> torch.nn.Linear:
 def time_loss(head: torch.nn.Linear, h: torch.Tensor, encs) -> torch.Tensor:
     """Squared error of the time axis read linearly (`head`, `time_head`) from the RMS-normalised
     hidden states h [B, L, hidden] at `time_rows`, the visual tokens' mean and the later rows' mean
-    averaged. One
-    axis for both, so that an object's time against the clip's length ("beginning / middle / end" as a
-    ratio) is a difference along it: the question rows learn the clip's length (which no drawn bar
-    gives), the visual tokens keep their pair."""
+    averaged. One axis for both, so that an object's time against the clip's length ("beginning /
+    middle / end", a ratio) is a difference along it: the question rows learn the clip's length
+    (which no drawn bar gives), the visual tokens keep their pair."""
     b, rows, y, vis = time_rows(encs)
     x = h[b, rows]
     err = (head(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).squeeze(-1) - y) ** 2
@@ -684,8 +683,8 @@ def train(cfg: TrainConfig, out_dir: str, log_every: int = 25, progress: bool = 
         if k % log_every == 0:
             bar.set_postfix(stage=stage, lm=f"{ema['lm']:.3f}", aux=f"{ema['aux']:.3f}", att=f"{ema['att']:.3f}")
             print(f"[s{stage} {k}] T={rec['T']} bs={rec['bs']} lm {ema['lm']:.4f} aux {ema['aux']:.4f} "
-                  f"att {ema['att']:.4f} ro {ema['ro']:.4f} time {ema['time']:.4f} acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} "
-                  f"t={time.time()-t0:.0f}s", flush=True)
+                  f"att {ema['att']:.4f} ro {ema['ro']:.4f} time {ema['time']:.4f} "
+                  f"acc {[round(a, 2) for a in rec['acc']]} lr {lr:.2e} t={time.time()-t0:.0f}s", flush=True)
 
     def answer_training(n2: int, n3: int, n4: int, tags: tuple, label: str = "", ckpt: bool = False) -> None:
         """Stages 2-4 with `n2`, `n3`, `n4` steps, batches drawn from seeds tagged `tags` (one per stage)."""
