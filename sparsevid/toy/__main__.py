@@ -88,12 +88,12 @@ def main(argv=None) -> int:
     pr.add_argument("--model", default=DEFAULT_MODEL_DIR)
     pr.add_argument("--n", type=int, default=None,
                     help="clips (a fifth of them held out for scoring; default 1500, with --time 150)")
-    pr.add_argument("--frames", default="8,16", help="comma list of clip lengths, cycled")
+    pr.add_argument("--frames", default=None,
+                    help="comma list of clip lengths, cycled (default 8,16; with --time 64,96,128,192,256)")
     pr.add_argument("--json", action="store_true")
     pr.add_argument("--time", action="store_true",
                     help="instead: how well each layer's rows tell a visual token's frame pair and, after the "
-                         "video, the clip's length, in clips without a progress bar (ridge regressions; "
-                         "--frames default 64,96,128,192,256)")
+                         "video, the clip's length, in clips without a progress bar (ridge regressions)")
     a = ap.parse_args(argv)
 
     if a.cmd == "make-eval":
@@ -173,8 +173,8 @@ def main(argv=None) -> int:
     if a.cmd == "probe" and a.time:
         from .probe import time_probes
 
-        frames = [int(f) for f in a.frames.split(",") if f] if a.frames != "8,16" else [64, 96, 128, 192, 256]
-        res = time_probes(a.model, n=a.n or 150, frames=frames, progress=not a.json)
+        res = time_probes(a.model, n=a.n or 150, frames=[int(f) for f in (a.frames or "64,96,128,192,256").split(",")],
+                          progress=not a.json)
         if a.json:
             print(json.dumps(res))
         else:
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
 
         n = a.n or 1500
         res = direction_probes(a.model, n_train=n - n // 5, n_test=n // 5,
-                               frames=[int(f) for f in a.frames.split(",") if f], progress=not a.json)
+                               frames=[int(f) for f in (a.frames or "8,16").split(",") if f], progress=not a.json)
         if a.json:
             print(json.dumps(res))
         else:

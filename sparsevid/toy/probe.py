@@ -133,6 +133,7 @@ def time_probes(model_dir: str, n: int = 150, frames=(64, 96, 128, 192, 256), pr
     from .clips import LEGACY
     from .data import collate, encode
     from .evaluate import load_toy
+    from .train import time_rows  # the time loss's rows and targets: the probe reads the same ones
 
     tok, model, special = load_toy(model_dir, attn="sdpa")
     rng = np.random.default_rng(0)
@@ -144,16 +145,15 @@ def time_probes(model_dir: str, n: int = 150, frames=(64, 96, 128, 192, 256), pr
         batch = collate([e], special["<|endoftext|>"], special["<|video_pad|>"])
         batch.pop("labels")
         hs = torch.stack(model(**batch, output_hidden_states=True).hidden_states)[:, 0]  # [layers + 1, L, hidden]
-        gt = int(e.grid_thw[0, 0])
+        _, rows, y, vis = time_rows([e])
         pick = torch.from_numpy(rng.choice(e.n_visual, min(60, e.n_visual), replace=False))
-        after = torch.arange(e.vis_start + e.n_visual, e.questions[0].prompt_len)
-        vis_x.append(hs[:, e.vis_start + pick])
-        vis_y.append(torch.log(pick // (e.n_visual // gt) + 1.0))
-        txt_x.append(hs[:, after])
-        txt_y.append(torch.full((len(after),), float(np.log(gt))))
+        vis_x.append(hs[:, rows[vis][pick]])
+        vis_y.append(y[vis][pick])
+        txt_x.append(hs[:, rows[~vis]])
+        txt_y.append(y[~vis])
         test = i >= n - n // 5
         vis_test.append(torch.full((len(pick),), test))
-        txt_test.append(torch.full((len(after),), test))
+        txt_test.append(torch.full((int((~vis).sum()),), test))
     out = {}
     for name, xs, ys, ts in (("visual_pair", vis_x, vis_y, vis_test), ("clip_length", txt_x, txt_y, txt_test)):
         x, y, t = torch.cat(xs, 1), torch.cat(ys), torch.cat(ts)

@@ -285,8 +285,7 @@ def time_loss(head: torch.nn.Linear, h: torch.Tensor, encs) -> torch.Tensor:
     middle / end", a ratio) is a difference along it: the question rows learn the clip's length
     (which no drawn bar gives), the visual tokens keep their pair."""
     b, rows, y, vis = time_rows(encs)
-    x = h[b, rows]
-    err = (head(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).squeeze(-1) - y) ** 2
+    err = (head(F.rms_norm(h[b, rows], (h.shape[-1],), eps=1e-6)).squeeze(-1) - y) ** 2
     return 0.5 * (err[vis].mean() + err[~vis].mean())
 
 
