@@ -837,6 +837,28 @@ def test_no_bar_share_draws_training_clips_without_the_progress_bar():
     assert set(bars(0.0, 0.0)) == {"bottom"}
 
 
+def test_crowded_share_draws_four_object_clips_and_weights_the_count_words():
+    """`TrainConfig.crowded_prob` and `attr_extra` (the eighth fine-tune's): at 1 every training clip
+    not forced to one object has four; at 0 the clips are the earlier recipes' (objects of every
+    number); the count words and the time phrase's "at" / "in" join the weighted tokens."""
+    from transformers import AutoTokenizer
+
+    from sparsevid.toy.train import CROWDED, _samples, attribute_token_ids
+
+    def objects(crowded_prob, T=16, p1=0.3):  # long clips: no single-object share (`_batch_spec`)
+        out = _samples(np.random.default_rng(3), T, 24, p1, glimpses=False, crowded_prob=crowded_prob)
+        return [len(qs[0].clip.objects) for qs in out]
+
+    assert set(objects(1.0)) == {1, 4} and set(objects(1.0, 64, 0.0)) == {4}
+    assert set(objects(0.0)) == {1, 2, 3, 4}
+    assert objects(0.0) == [len(qs[0].clip.objects)
+                            for qs in _samples(np.random.default_rng(3), 16, 24, 0.3, glimpses=False)]
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = set(attribute_token_ids(tok, CROWDED["attr_extra"]).tolist())
+    assert {tok.convert_tokens_to_ids(t) for t in ("Ġfour", "Ġin", "Ġat", "Ġred")} <= ids
+    assert tok.convert_tokens_to_ids("Ġfour") not in set(attribute_token_ids(tok).tolist())
+
+
 def test_the_time_loss_asks_each_row_for_the_frame_pairs_up_to_it(tmp_path):
     """`time_rows`: a visual token of frame pair p is asked for log(p + 1), every row after the video
     (the question, the answer) for the log of the clip's pairs, at any clip length; a tiny run with

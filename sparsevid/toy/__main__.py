@@ -51,6 +51,9 @@ def main(argv=None) -> int:
                     help="the shipped weights' recipe: fine-tune FOLDER (the --long-when output) as --long-when "
                          "does, plus a time loss that asks each row for the log of the frame pairs up to it "
                          "(train.TIMED, with --seed 6)")
+    tr.add_argument("--crowded", default=None, metavar="FOLDER",
+                    help="fine-tune FOLDER (the --timed output) as --timed does, with more four-object clips and "
+                         "the count words and time phrases weighted (train.CROWDED, with --seed 7)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import (DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TIMED, TINY,
+        from .train import (CROWDED, DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TIMED, TINY,
                             TWO_PASS, TrainConfig, train)
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
@@ -127,6 +130,8 @@ def main(argv=None) -> int:
             cfg = replace(cfg, **DEEPER, init_from=a.deeper)
         if a.timed:
             cfg = replace(cfg, **TIMED, init_from=a.timed)
+        if a.crowded:
+            cfg = replace(cfg, **CROWDED, init_from=a.crowded)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
