@@ -48,12 +48,12 @@ def main(argv=None) -> int:
                          "identities, and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, "
                          "not shipped)")
     tr.add_argument("--timed", default=None, metavar="FOLDER",
-                    help="the shipped weights' recipe: fine-tune FOLDER (the --long-when output) as --long-when "
-                         "does, plus a time loss that asks each row for the log of the frame pairs up to it "
-                         "(train.TIMED, with --seed 6)")
+                    help="fine-tune FOLDER (the --long-when output) as --long-when does, plus a time loss that "
+                         "asks each row for the log of the frame pairs up to it (train.TIMED, with --seed 6)")
     tr.add_argument("--crowded", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --timed output) as --timed does, with more four-object clips and "
-                         "the count words and time phrases weighted (train.CROWDED, with --seed 7)")
+                    help="the shipped weights' recipe: fine-tune FOLDER (the --timed output) as --timed does, with "
+                         "more four-object clips and the count words and time phrases weighted (train.CROWDED, "
+                         "with --seed 7)")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
