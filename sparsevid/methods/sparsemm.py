@@ -23,7 +23,12 @@ from ..cache import LayerSelection, Prompt
 from ..options import option
 from .base import Method
 
-DEFAULT_BUDGET = 0.4  # B as a fraction of the prompt length when no budget is given
+# B as a fraction of the prompt length when no budget is given: 0.4 until the eighth fine-tune of the
+# embedded model, where 0.4 fell 2.1 points below dense on the 240-question check (233 against 238)
+# and 0.7 is the smallest measured budget within one point with ρ 0.5 (236; 0.5 and 0.6: 234, 235).
+# ρ = 1 (uniform budgets, no visual-head share) at 0.4 also passes (236): on that model the
+# calibration's head scores do not help; kept at 0.5 so the method stays the paper's (model card)
+DEFAULT_BUDGET = 0.7
 
 
 def budgets(scores: torch.Tensor, B: int, w: int = 32, rho: float = 0.1,
@@ -94,7 +99,7 @@ class SparseMM:
     """
 
     budget: int | float | None = option(None, "B: average KV entries kept per KV head, a count or a fraction of "
-                                        "the prompt; blank: 0.4 of the prompt", "amount",
+                                        "the prompt; blank: 0.7 of the prompt", "amount",
                                         label="B: average KV entries per KV head", min=1, unit="entries")
     window: int = option(32, "w: local window and SnapKV observation rows", "int", label="w: local window",
                          min=1, max=256, unit="tokens")
