@@ -8,6 +8,29 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# `toy train --FLAG FOLDER`: fine-tune the model in FOLDER with `train.RECIPE` (issue 22's fine-tunes,
+# each from the one before; the shipped weights are --crowded's output)
+FINETUNES = {
+    "finetune": ("FINETUNE", "issue 22's first fine-tune: fine-tune the model in FOLDER (the default recipe's "
+                             "output) on the randomised data (no stage 1, 4100 answer steps)"),
+    "refine": ("REFINE", "issue 22's second fine-tune of the model in FOLDER (the --finetune output): the vision "
+                         "tower re-trained on random styles, then narration-heavy answer training"),
+    "polish": ("POLISH", "fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
+                         "multi-object clips, long clips on half of stage 3's steps, low learning rate (with "
+                         "--seed 1; measured no better than its parent, not shipped)"),
+    "paired": ("PAIRED", "fine-tune FOLDER (the --refine output) as --polish does, on today's clip world, where "
+                         "every short-lived object fills a frame pair (with --seed 3)"),
+    "long-when": ("LONG_WHEN", "fine-tune FOLDER (the --paired output) on long clips, many without a progress bar "
+                               "(with --seed 4)"),
+    "deeper": ("DEEPER", "grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as "
+                         "identities, and fine-tune it as --long-when does (with --seed 5; measured, not shipped)"),
+    "timed": ("TIMED", "fine-tune FOLDER (the --long-when output) as --long-when does, plus a time loss that asks "
+                       "each row for the log of the frame pairs up to it (with --seed 6)"),
+    "crowded": ("CROWDED", "the shipped weights' recipe: fine-tune FOLDER (the --timed output) as --timed does, "
+                           "with more four-object clips and the count words and time phrases weighted (with "
+                           "--seed 7)"),
+}
+
 
 def main(argv=None) -> int:
     from . import DEFAULT_MODEL_DIR
@@ -27,33 +50,8 @@ def main(argv=None) -> int:
     tr.add_argument("--randomise", action="store_true",
                     help="issue 22: random clip styles (never the held-out family), frame counts of every "
                          "size and narration questions (train.RANDOMISED; --style-prob/--narration-prob override)")
-    tr.add_argument("--finetune", default=None, metavar="FOLDER",
-                    help="issue 22's first fine-tune: fine-tune the model in FOLDER (the default recipe's output) "
-                         "on the randomised data (train.FINETUNE: no stage 1, 4100 answer steps)")
-    tr.add_argument("--refine", default=None, metavar="FOLDER",
-                    help="issue 22's second fine-tune of the model in FOLDER (the --finetune output): the vision "
-                         "tower re-trained on random styles, then narration-heavy answer training (train.REFINE)")
-    tr.add_argument("--polish", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --refine output) a third time: narration-heavy answer training on "
-                         "multi-object clips, long clips on half of stage 3's steps, low learning rate (train.POLISH, "
-                         "with --seed 1; measured no better than its parent, not shipped)")
-    tr.add_argument("--paired", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --refine output) as --polish does, on today's clip world, where "
-                         "every short-lived object fills a frame pair (train.PAIRED, with --seed 3)")
-    tr.add_argument("--long-when", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --paired output) on long clips, many without a progress bar "
-                         "(train.LONG_WHEN, with --seed 4)")
-    tr.add_argument("--deeper", default=None, metavar="FOLDER",
-                    help="grow FOLDER (the --long-when output) from 4 to 6 layers, the new ones starting as "
-                         "identities, and fine-tune it as --long-when does (train.DEEPER, with --seed 5; measured, "
-                         "not shipped)")
-    tr.add_argument("--timed", default=None, metavar="FOLDER",
-                    help="fine-tune FOLDER (the --long-when output) as --long-when does, plus a time loss that "
-                         "asks each row for the log of the frame pairs up to it (train.TIMED, with --seed 6)")
-    tr.add_argument("--crowded", default=None, metavar="FOLDER",
-                    help="the shipped weights' recipe: fine-tune FOLDER (the --timed output) as --timed does, with "
-                         "more four-object clips and the count words and time phrases weighted (train.CROWDED, "
-                         "with --seed 7)")
+    for flag, (recipe, help_) in FINETUNES.items():
+        tr.add_argument(f"--{flag}", default=None, metavar="FOLDER", help=f"{help_} (train.{recipe})")
     tr.add_argument("--attr-weight", type=float, default=None,
                     help="cross-entropy weight of the answer tokens naming a colour, shape, direction or time")
     tr.add_argument("--style-prob", type=float, default=None,
@@ -108,30 +106,18 @@ def main(argv=None) -> int:
     if a.cmd == "train":
         from dataclasses import replace
 
-        from .train import (CROWDED, DEEPER, FINETUNE, LONG_WHEN, PAIRED, POLISH, RANDOMISED, REFINE, TIMED, TINY,
-                            TWO_PASS, TrainConfig, train)
+        from . import train as train_mod
+        from .train import RANDOMISED, TINY, TWO_PASS, TrainConfig, train
 
         cfg = TrainConfig(seed=a.seed, threads=a.threads, questions_per_clip=a.questions_per_clip)
         if a.two_pass:
             cfg = replace(cfg, **TWO_PASS)
         if a.randomise:
             cfg = replace(cfg, **RANDOMISED)
-        if a.finetune:
-            cfg = replace(cfg, **FINETUNE, init_from=a.finetune)
-        if a.refine:
-            cfg = replace(cfg, **REFINE, init_from=a.refine)
-        if a.polish:
-            cfg = replace(cfg, **POLISH, init_from=a.polish)
-        if a.paired:
-            cfg = replace(cfg, **PAIRED, init_from=a.paired)
-        if a.long_when:
-            cfg = replace(cfg, **LONG_WHEN, init_from=a.long_when)
-        if a.deeper:
-            cfg = replace(cfg, **DEEPER, init_from=a.deeper)
-        if a.timed:
-            cfg = replace(cfg, **TIMED, init_from=a.timed)
-        if a.crowded:
-            cfg = replace(cfg, **CROWDED, init_from=a.crowded)
+        for flag, (recipe, _) in FINETUNES.items():
+            folder = getattr(a, flag.replace("-", "_"))
+            if folder:
+                cfg = replace(cfg, **getattr(train_mod, recipe), init_from=folder)
         if a.style_prob is not None:
             cfg = replace(cfg, style_prob=a.style_prob)
         if a.narration_prob is not None:
