@@ -90,6 +90,7 @@ class Run:
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # pruned layer -> original positions [m']
     prune: torch.Tensor | None = None  # while the prefill is pruning: the kept original positions [m']
     pruned_prompt: Prompt | None = None  # the prompt in pruned coordinates (m' rows)
+    fast_steps: int = 0  # decode steps served by a compiled (CPU) or captured (CUDA) graph
 
     def prompt_of(self, layer: int) -> Prompt:
         """The prompt as layer `layer` sees it: pruned coordinates in a pruned layer."""
@@ -205,7 +206,8 @@ def _prefill_hook(run: Run, layer: int, query, key, value, scale):
     score_keys = getattr(policy, "score_keys", None)
     kept_key = score_keys(layer, key) if score_keys is not None else key  # the dense cache keeps `key`
     cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads,
-                                     per_head=getattr(policy, "per_head_blocks", False)))
+                                     per_head=getattr(policy, "per_head_blocks", False), bufs=cache.buffers,
+                                     layer=layer))
     restricts = (sel.query_mask is not None or sel.head_scale is not None or kept_key is not key
                  or any(n < m for n in sel.lengths))
     if getattr(policy, "route_prefill", False) and restricts and not cache.store_dense:

@@ -160,7 +160,7 @@ def bench_main(args) -> int:
             correct = {name: [] for name in ["dense"] + names}
             for frames, question, answers in clips:
                 inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
-                warm_up(loaded, inputs, names=names, settings=settings)
+                warm_up(loaded, inputs, names=names, settings=settings, max_new_tokens=args.max_new_tokens)
                 for name in names:
                     check = None  # the compiled steps against eager, beside the first method's dense runs
                     if loaded.fast is not None and loaded.fast.enabled and name == names[0]:
@@ -298,92 +298,159 @@ SHAPES = {
 }
 
 
-def _kernels(q, k, v, mask, scale):
-    """Candidate exact attentions of rows q [Hkv, R, D] (a KV head's G query heads folded into rows)
-    over k, v [Hkv, n, D] with an additive mask [R, n]: name -> function."""
-    import torch.nn.functional as F
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30) -> float:
+    """The device's measured copy bandwidth in bytes/s (bytes read + written by a large copy, median
+    of 5): the `BW` of every limit (SPEC §7). One H200: about 4.3 TB/s."""
+    if dev.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        sync_device(dev)
+        t = time.perf_counter()
+        b.copy_(a)
+        sync_device(dev)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times[1:])
 
-    q4, k4, v4, m4 = q[None], k[None], v[None], mask[None, None]  # SDPA as `static_attention` calls it
-    allowed = m4 == 0
-    return {
-        "SDPA, additive mask (used)": lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=m4, scale=scale)[0],
-        "SDPA, boolean mask": lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=allowed, scale=scale)[0],
-        "two GEMMs + softmax": lambda: torch.matmul((torch.matmul(q, k.transpose(1, 2)) * scale + mask).softmax(-1), v),
-        "baddbmm + softmax + bmm": lambda: torch.bmm(torch.baddbmm(mask.expand(q.shape[0], -1, -1), q, k.transpose(1, 2),
-                                                                   alpha=scale).softmax(-1), v),
-    }
+
+def time_calls(fn, dev: torch.device, calls: int = 20, repeats: int = 5) -> float:
+    """Seconds per call: `calls` calls back to back between two syncs, median over `repeats` (after
+    two warm-up calls)."""
+    fn(), fn()
+    out = []
+    for _ in range(repeats):
+        sync_device(dev)
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync_device(dev)
+        out.append((time.perf_counter() - t) / calls)
+    return statistics.median(out)
 
 
 @torch.inference_mode()
 def verify_kernels(args) -> int:
-    """Time each way to attend 2 (a decode step) or 2(γ+1) (a verification) rows per KV head over
-    the whole cache at the embedded model's head shape (Hkv 4, G 2, D 24), float32, medians of 50
-    calls; error against a float64 reference. `static_attention` uses the fastest."""
-    Hkv, G, D, gamma = 4, 2, 24, int(args.settings.get("gamma", 9))
-    gen = torch.Generator().manual_seed(0)
+    """Time each decode-attention backend (`kernels.BACKENDS`) for one layer: q = 1 (a step) and
+    γ + 1 (a verification) rows per query head over a buffer of m entries, per batch size; its
+    achieved GB/s of K and V and its error against a float64 reference (checked on a slice of
+    the heads). Head shape: --shape's (default the embedded model's: Hkv 4, G 2, D 24).
+    On CUDA also SDPA's flash kernel without any mask over exactly the entries read: the
+    bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths)."""
+    import torch.nn.functional as F
+
+    from . import kernels
+    from .models import pick_device
+
+    dev, dtype = pick_device(args.device, args.dtype)
+    if args.shape:
+        if args.shape not in SHAPES:
+            raise InputError(f"Unknown shape '{args.shape}'; known: {', '.join(SHAPES)}.")
+        c = SHAPES[args.shape]
+        Hkv, G, D = c["num_key_value_heads"], c["num_attention_heads"] // c["num_key_value_heads"], \
+            c["hidden_size"] // c["num_attention_heads"]
+    else:
+        Hkv, G, D = 4, 2, 24
+    gamma = int(args.settings.get("gamma", 9))
+    seqs = [int(x) for x in (args.seq or args.visual_tokens or "4608,9216").split(",")]
+    backends = [b for b in kernels.BACKENDS if b != "triton" or kernels.triton_available()]
+    if dev.type != "cuda":
+        backends = ["sdpa"]  # Triton runs on CUDA (the tests run it interpreted on the CPU)
+    gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for m_v in [int(x) for x in (args.visual_tokens or "4608,9216").split(",")]:
-        n = m_v + 150
-        for q_rows in (1, gamma + 1):
-            q, k, v = (torch.randn(Hkv, G * q_rows if i == 0 else n, D, generator=gen) for i in range(3))
-            start = n - 40
-            cols, r = torch.arange(n), torch.arange(q_rows)
-            mask = torch.zeros(q_rows, n).masked_fill(cols[None] > (start + r)[:, None], float("-inf")).repeat(G, 1)
-            ref = torch.matmul((torch.matmul(q.double(), k.double().transpose(1, 2)) * D ** -0.5
-                                + mask.double()).softmax(-1), v.double())
-            for name, fn in _kernels(q, k, v, mask, D ** -0.5).items():
-                for _ in range(5):
-                    fn()
-                times = []
-                for _ in range(50):
-                    t0 = time.perf_counter()
+    for B in [int(b) for b in str(args.batch).split(",")]:
+        for n in seqs:
+            k = torch.randn(B, Hkv, n + gamma + 8, D, generator=gen, device=dev, dtype=dtype)
+            v = torch.randn(B, Hkv, n + gamma + 8, D, generator=gen, device=dev, dtype=dtype)
+            for q_rows in (1, gamma + 1):
+                q = torch.randn(B, Hkv * G, q_rows, D, generator=gen, device=dev, dtype=dtype)
+                start = torch.full((B,), n - q_rows, device=dev)
+                ref = kernels.reference(q[:1, :G].cpu(), k[:1, :1, :n].cpu(), v[:1, :1, :n].cpu(),
+                                        start[:1].cpu(), D ** -0.5)
+                nbytes = 2 * B * Hkv * n * D * k.element_size()
+                cands = {b: (lambda b=b: kernels.attend(q, k, v, start, D ** -0.5, which=b)) for b in backends}
+                if dev.type == "cuda" and q_rows == 1:
+                    kk, vv = k[:, :, :n], v[:, :, :n]
+                    cands["sdpa, no mask (ceiling)"] = lambda: F.scaled_dot_product_attention(
+                        q, kk, vv, scale=D ** -0.5, enable_gqa=True)
+                for name, fn in cands.items():
+                    t = time_calls(fn, dev)
                     out = fn()
-                    times.append(time.perf_counter() - t0)
-                t = statistics.median(times)
-                flops, nbytes = 4 * Hkv * G * q_rows * n * D, 2 * Hkv * n * D * 4  # QK^T and PV; K and V read once
-                rows.append([str(m_v), str(q_rows), name, f"{t * 1e3:.3f}", f"{flops / t / 1e9:.0f}",
-                             f"{nbytes / t / 1e9:.1f}", f"{(out.double() - ref).abs().max().item():.1e}"])
-    print(f"one layer, {Hkv} KV heads x {G} query heads, D = {D}, float32, {torch.get_num_threads()} threads")
-    print(markdown_table(["visual tokens", "rows per query head", "kernel", "ms (median of 50)", "GFLOP/s",
-                          "GB/s of K and V", "max error vs float64"], rows))
+                    err = None
+                    if name in kernels.BACKENDS:
+                        err = (out[:1, :, :G].double().cpu() - ref).abs().max().item()
+                    rows.append(dict(batch=B, entries=n, rows=q_rows, kernel=name, ms=t * 1e3,
+                                     gb_s=nbytes / t / 1e9, max_error=err))
+    where = f"{dev}, {str(dtype)[6:]}, {torch.get_num_threads()} threads" if dev.type != "cuda" else \
+        f"{torch.cuda.get_device_name(dev)}, {str(dtype)[6:]}"
+    if args.json:
+        print(json.dumps(dict(device=where, heads=dict(Hkv=Hkv, G=G, D=D), rows=rows)))
+        return 0
+    print(f"one layer, {Hkv} KV heads x {G} query heads, D = {D}, {where}")
+    print(markdown_table(["batch", "entries", "rows per query head", "kernel", "ms", "GB/s of K and V",
+                          "max error vs float64"],
+                         [[str(r["batch"]), str(r["entries"]), str(r["rows"]), r["kernel"], f"{r['ms']:.3f}",
+                           f"{r['gb_s']:.1f}", "-" if r["max_error"] is None else f"{r['max_error']:.1e}"]
+                          for r in rows]))
     return 0
+
+
+def shape_model(name: str, dev: torch.device, dtype: torch.dtype, layers: int | None = None):
+    """A Qwen2 language model at a real checkpoint's shape (`SHAPES`), random weights, built on `dev`
+    directly (initialising 7.6 B parameters on the CPU first takes minutes)."""
+    import transformers
+
+    shape = dict(SHAPES[name])
+    shape.update(num_hidden_layers=layers or shape["num_hidden_layers"], max_position_embeddings=131072)
+    if dev.type != "cuda":
+        shape["vocab_size"] = 4096  # the LM head's cost does not depend on the cache; keep CPU runs short
+    config = transformers.Qwen2Config(**shape)
+    config._attn_implementation = "sparsevid"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = transformers.Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    return model, config
 
 
 @torch.inference_mode()
 def mechanical(args) -> int:
     """Cost of one dense step, one sparse draft step and one γ+1 verification at a real shape, for
-    each batch size and prompt length.
+    each batch size and prompt length, against each step's limit.
 
     The language model is built from the shape with random weights (Qwen2 decoder, as in all
     three architectures); its buffers are filled with random KV instead of running a prefill, since
     only the cost is measured (acceptance is meaningless here and not reported). The steps are
     `fast.static_step` over B sequences of the same length: the dense buffers [B, Hkv, m + γ + 8, D]
-    and a top-K draft's compact buffers [B, Hkv, K + m_t + γ + 8, D]; compiled unless --compile off
-    (CUDA: CUDA graphs).
-    """
-    import transformers
+    and a top-K draft's compact buffers [B, Hkv, K + m_t + γ + 8, D]; eager, and on CUDA each also
+    captured as a CUDA graph (`fast.Captured`, as the engine runs them) unless --compile off.
 
-    from .fast import Block, FastSteps, static_step
+    Limit of a step = (weights + the KV entries it reads) / the copy bandwidth measured here. StD's
+    round bound (every draft accepted) is (γ + 1) t_dense / (γ t_draft + t_verify) from the measured
+    step costs; its ideal is the same from the limits.
+    """
+    from .fast import Block, Captured, static_step
     from .methods.base import visual_budget
     from .models import pick_device
 
     if args.shape not in SHAPES:
         raise InputError(f"Unknown shape '{args.shape}'; known: {', '.join(SHAPES)}.")
     dev, dtype = pick_device(args.device, args.dtype)
-    shape = dict(SHAPES[args.shape])
-    layers = args.layers or (shape["num_hidden_layers"] if dev.type == "cuda" else 2)
-    shape.update(num_hidden_layers=layers, max_position_embeddings=131072)
-    if dev.type != "cuda":
-        shape["vocab_size"] = 4096  # the LM head's cost does not depend on the cache; keep CPU runs short
-    config = transformers.Qwen2Config(**shape)
-    config._attn_implementation = "sparsevid"
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).to(dev, dtype).eval()
+    bw = copy_bandwidth(dev)
+    layers = args.layers or (SHAPES[args.shape]["num_hidden_layers"] if dev.type == "cuda" else 2)
+    model, config = shape_model(args.shape, dev, dtype, layers)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     D = config.hidden_size // H
     gamma = int(args.settings.get("gamma", 9))
     k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
-    step = static_step if args.compile == "off" else FastSteps(model, dev, "on").compiled_step()
+    graphs = dev.type == "cuda" and args.compile != "off"
+    pool = torch.cuda.graph_pool_handle() if graphs else None
     m_t = 64
     if args.seq:
         visual = [int(v) - m_t for v in args.seq.split(",")]
@@ -391,47 +458,65 @@ def mechanical(args) -> int:
         visual = [int(v) for v in (args.visual_tokens or "4096,16384,32768").split(",")]
     batches = [int(b) for b in str(args.batch).split(",")]
     rows = []
+    elem = torch.finfo(dtype).bits // 8
     for B in batches:
         for m_v in visual:
             m = m_v + m_t
             K = visual_budget(k, m_v, m_t)
             n_draft = K + m_t
             new = lambda n: torch.randn(B, Hkv, n + gamma + 8, D, device=dev, dtype=dtype)  # noqa: E731
-            dense = [Block(new(m), new(m), None, None, None, i) for i in range(layers)]
-            draft = [Block(new(n_draft), new(n_draft), None, None, None, i) for i in range(layers)]
-            for b in dense + draft:
-                torch._dynamo.mark_dynamic(b.k, 2)
-                torch._dynamo.mark_dynamic(b.v, 2)
+            dense = [[Block(new(m), new(m), None, None, None, 0)] for _ in range(layers)]
+            draft = [[Block(new(n_draft), new(n_draft), None, None, None, 0)] for _ in range(layers)]
 
             def timed(blocks, n, q):
+                """(eager s, graph s or None) of a step of q rows written at entry n of `blocks`."""
                 ids = torch.randint(0, 100, (B, q), device=dev)
-                pos = torch.arange(m, m + q, device=dev).expand(B, q)
-                if q > 1:
-                    torch._dynamo.mark_dynamic(ids, 1)
-                    torch._dynamo.mark_dynamic(pos, 1)
-                start = torch.full((layers,), n, device=dev)
-                times = []
-                for _ in range(args.repeats + 2):  # the first calls compile and warm up
-                    sync_device(dev)
-                    t = time.perf_counter()
-                    step(model, ids, pos, [[b] for b in blocks], [None] * layers, start)
-                    sync_device(dev)
-                    times.append(time.perf_counter() - t)
-                return statistics.median(times[2:])
+                pos = torch.arange(n, n + q, device=dev).expand(B, q)
+                start = torch.full((1,), n, device=dev)
+                step = lambda: static_step(model, ids, pos, blocks, [None] * layers, start)  # noqa: E731
+                eager = time_calls(step, dev, calls=3, repeats=3)
+                if not graphs:
+                    return eager, None
+                g = Captured(model, ids, pos, blocks, [None] * layers, start, pool)
+                g(ids, pos, start)  # the capturing call's own result
+                t = time_calls(g.graph.replay, dev, calls=10, repeats=5)
+                del g
+                return eager, t
 
-            d, s, v = timed(dense, m, 1), timed(draft, n_draft, 1), timed(dense, m, gamma + 1)
-            rows.append(dict(shape=args.shape, layers=layers, batch=B, visual_tokens=m_v, prompt=m, k=K,
-                             dense_step_ms=d * 1e3, draft_step_ms=s * 1e3, verify_ms=v * 1e3, draft_vs_dense=s / d,
-                             verify_vs_dense=v / d, round_bound_speedup=(gamma + 1) * d / (gamma * s + v)))
-    compiled = "eager" if args.compile == "off" else "compiled"
+            kv = lambda n: B * layers * 2 * Hkv * n * D * elem  # noqa: E731  KV bytes a step reads
+            limits = dict(dense=(weights + kv(m + 1)) / bw, draft=(weights + kv(n_draft + 1)) / bw,
+                          verify=(weights + kv(m + gamma + 1)) / bw)
+            t = dict(dense=timed(dense, m, 1), draft=timed(draft, n_draft, 1), verify=timed(dense, m, gamma + 1))
+            best = {s: (g if g is not None else e) for s, (e, g) in t.items()}
+            row = dict(shape=args.shape, layers=layers, batch=B, visual_tokens=m_v, prompt=m, k=K,
+                       steps="graph" if graphs else "eager")
+            for s in ("dense", "draft", "verify"):
+                row[f"{s}_eager_ms"] = t[s][0] * 1e3
+                row[f"{s}_ms"] = best[s] * 1e3
+                row[f"{s}_limit_ms"] = limits[s] * 1e3
+                row[f"{s}_vs_limit"] = best[s] / limits[s]
+                row[f"{s}_gb_s"] = limits[s] * bw / best[s] / 1e9
+            row["verify_vs_dense"] = best["verify"] / best["dense"]
+            row["round_bound"] = (gamma + 1) * best["dense"] / (gamma * best["draft"] + best["verify"])
+            row["ideal_round_bound"] = (gamma + 1) * limits["dense"] / (gamma * limits["draft"] + limits["verify"])
+            row["bound_share"] = row["round_bound"] / row["ideal_round_bound"]
+            rows.append(row)
+            del dense, draft
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    head = dict(device=str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev), dtype=str(dtype)[6:],
+                gamma=gamma, weights_gb=weights / 1e9, bandwidth_tb_s=bw / 1e12, rows=rows)
     if args.json:
-        print(json.dumps(dict(device=str(dev), dtype=str(dtype)[6:], gamma=gamma, steps=compiled, rows=rows)))
+        print(json.dumps(head))
         return 0
-    print(f"{args.shape} ({layers} layers, {dev}, {str(dtype)[6:]}, {compiled} steps), gamma={gamma}")
+    print(f"{args.shape} ({layers} layers, {head['device']}, {head['dtype']}, weights {weights / 1e9:.1f} GB, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s), gamma={gamma}; ms (x its limit)")
     print(markdown_table(
-        ["batch", "visual tokens", "K", "dense step ms", "draft step ms", "verify (γ+1) ms", "draft/dense",
-         "verify/dense", "speedup if all accepted"],
-        [[str(r["batch"]), str(r["visual_tokens"]), str(r["k"]), f"{r['dense_step_ms']:.1f}",
-          f"{r['draft_step_ms']:.1f}", f"{r['verify_ms']:.1f}", f"{r['draft_vs_dense']:.2f}",
-          f"{r['verify_vs_dense']:.2f}", f"{r['round_bound_speedup']:.2f}x"] for r in rows]))
+        ["batch", "prompt", "K", "dense step", "draft step", f"verify ({gamma + 1} rows)", "verify/dense",
+         "StD round bound", "ideal", "share", "eager dense / draft / verify"],
+        [[str(r["batch"]), str(r["prompt"]), str(r["k"])]
+         + [f"{r[s + '_ms']:.2f} ({r[s + '_vs_limit']:.2f}x)" for s in ("dense", "draft", "verify")]
+         + [f"{r['verify_vs_dense']:.2f}", f"{r['round_bound']:.2f}x", f"{r['ideal_round_bound']:.2f}x",
+            f"{r['bound_share']:.0%}",
+            " / ".join(f"{r[s + '_eager_ms']:.1f}" for s in ("dense", "draft", "verify"))] for r in rows]))
     return 0

@@ -21,6 +21,47 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+class BufferPool:
+    """A loaded model's KV buffers, kept between runs: a run asks for each buffer by name (role,
+    layer, block) and shape, and gets the one the last run of that name and shape gave back, so
+    CUDA graphs captured in one run replay in the next (`fast.Captured`). A buffer is handed to one
+    cache at a time: a name that is out gets a fresh tensor. Buffers come back zeroed."""
+
+    def __init__(self):
+        self.free: dict = {}
+
+    def take(self, name, shape, dtype, device) -> torch.Tensor:
+        t = self.free.pop(name, None)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return t.zero_()
+
+    def give_back(self, taken: dict) -> None:
+        self.free.update(taken)
+
+
+class Buffers:
+    """The buffers one cache took from a `BufferPool` (or plain zeros without one)."""
+
+    def __init__(self, pool: BufferPool | None):
+        self.pool, self.taken = pool, {}
+
+    def zeros(self, name, shape, dtype, device) -> torch.Tensor:
+        t = (torch.zeros(shape, dtype=dtype, device=device) if self.pool is None
+             else self.pool.take(name, shape, dtype, device))
+        self.taken[name] = t
+        return t
+
+    def like(self, name, t: torch.Tensor) -> torch.Tensor:
+        """A pooled copy of a small tensor the steps read (head indices, scales, masks)."""
+        return self.zeros(name, t.shape, t.dtype, t.device).copy_(t)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.give_back(self.taken)
+        self.taken = {}
+
+
 @dataclass
 class Prompt:
     """The prompt a policy selects from (batch size 1).
@@ -108,24 +149,27 @@ class _Block:
     """KV heads `heads` of one layer that keep the same number K of prompt entries: buffers
     `k, v [1, h_b, K + gen_capacity, D]`, prompt entries first, then generated tokens."""
 
-    def __init__(self, keys, values, keep: list, heads: list[int], qmask, gen_capacity: int, G: int):
+    def __init__(self, keys, values, keep: list, heads: list[int], qmask, gen_capacity: int, G: int,
+                 bufs: Buffers | None = None, name=()):
         dev = keys.device
+        bufs = bufs or Buffers(None)
         Hkv, D = keys.shape[1], keys.shape[3]
         idx = torch.stack(keep).to(dev)  # [h_b, K]
         K = idx.shape[1]
         self.all_heads = heads == list(range(Hkv))  # the whole layer in order: no head indexing
-        self.kv = torch.tensor(heads, device=dev)
-        self.q = (self.kv[:, None] * G + torch.arange(G, device=dev)).reshape(-1)  # its query heads
+        self.kv = bufs.like(name + ("kv",), torch.tensor(heads, device=dev))
+        self.q = bufs.like(name + ("q",), (self.kv[:, None] * G + torch.arange(G, device=dev)).reshape(-1))
         self.n_prompt = K
-        self.k = keys.new_zeros(1, len(heads), K + gen_capacity, D)  # zeros: see `fast` (masked tail)
-        self.v = values.new_zeros(1, len(heads), K + gen_capacity, D)
+        shape = (1, len(heads), K + gen_capacity, D)  # zeros: see `fast` (masked tail)
+        self.k = bufs.zeros(name + ("k",), shape, keys.dtype, dev)
+        self.v = bufs.zeros(name + ("v",), shape, values.dtype, dev)
         gather = idx[..., None].expand(-1, -1, D)
         self.k[0, :, :K] = keys[0, self.kv].gather(1, gather)
         self.v[0, :, :K] = values[0, self.kv].gather(1, gather)
         self.bias = None
         if qmask is not None:  # [h_b, G, K + gen_capacity]: built once, generated part 0
             allowed = qmask[self.kv].gather(2, idx[:, None, :].expand(-1, G, -1))
-            self.bias = torch.zeros(len(heads), G, K + gen_capacity, dtype=keys.dtype, device=dev)
+            self.bias = bufs.zeros(name + ("bias",), (len(heads), G, K + gen_capacity), keys.dtype, dev)
             self.bias[..., :K].masked_fill_(~allowed, float("-inf"))
 
     def write(self, key, value, pos: int) -> None:
@@ -158,7 +202,7 @@ class SparseKV:
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
-                 num_heads: int, per_head: bool = False):
+                 num_heads: int, per_head: bool = False, bufs: Buffers | None = None, layer: int = 0):
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
@@ -176,8 +220,10 @@ class SparseKV:
             groups = [[g] for g in range(Hkv)]
         else:
             groups = [[g for g in range(Hkv) if lens[g] == K] for K in sorted(set(lens), reverse=True)]
-        self.blocks = [_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G)
-                       for heads in groups]
+        self.blocks = [_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G, bufs,
+                              ("sparse", layer, i)) for i, heads in enumerate(groups)]
+        if self.head_scale is not None and bufs is not None:
+            self.head_scale = bufs.like(("scale", layer), self.head_scale)
 
     @property
     def uniform(self) -> bool:
@@ -232,8 +278,9 @@ class LayerKV(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         _, Hkv, _, D = key_states.shape
         shape = (1, Hkv, self.owner.capacity, D)
-        self.keys = key_states.new_zeros(shape)  # zeros: the compiled steps (`fast`) mask, never read, the tail
-        self.values = value_states.new_zeros(shape)
+        bufs = self.owner.buffers  # zeros: the steps (`fast`) mask, never read, the tail
+        self.keys = bufs.zeros(("dense", self.idx, "k"), shape, key_states.dtype, key_states.device)
+        self.values = bufs.zeros(("dense", self.idx, "v"), shape, value_states.dtype, value_states.device)
         self.is_initialized = True
 
     def store(self, key_states, value_states, start: int):
@@ -289,8 +336,9 @@ class KVCache(Cache):
     direct policy has fed, sparse mode); rollback is a change of one of them.
     """
 
-    def __init__(self, num_layers: int, capacity: int, store_dense: bool = True):
+    def __init__(self, num_layers: int, capacity: int, store_dense: bool = True, pool: BufferPool | None = None):
         self.capacity, self.store_dense = capacity, store_dense
+        self.buffers = Buffers(pool)  # `release()` gives them back to the pool
         self.mode = "dense"
         self.dense_len = self.sparse_len = self.prompt_len = 0
         self.static: dict = {}  # the compiled steps' views of these buffers (`fast.buffers`)
@@ -320,6 +368,11 @@ class KVCache(Cache):
             if layer.sparse is not None:
                 layer.sparse.copy_generated(layer.keys[:, :, start:end], layer.values[:, :, start:end],
                                             start - self.prompt_len)
+
+    def release(self) -> None:
+        """The run is over: its buffers go back to the pool (this cache must not be used again)."""
+        self.static.clear()
+        self.buffers.release()
 
     def nbytes(self) -> int:
         """KV bytes held now, every layer, dense buffers and compact caches."""

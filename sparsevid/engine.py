@@ -21,6 +21,7 @@ import torch
 
 from .adapters import VideoInputs, text_step
 from .attention import Run, active
+from .fast import buffers, static_step
 from .cache import KVCache, LayerSelection, Prompt
 from .models import Loaded
 from .metrics import best_gamma
@@ -119,7 +120,7 @@ def prompt_of(loaded: Loaded, inputs: VideoInputs) -> Prompt:
 
 def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=None, store_dense: bool = True,
             keep_stats: bool = False, copy_all: bool = False) -> Run:
-    cache = KVCache(loaded.num_layers, inputs.m + capacity_extra, store_dense=store_dense)
+    cache = KVCache(loaded.num_layers, inputs.m + capacity_extra, store_dense=store_dense, pool=loaded.pool)
     return Run(cache, prompt_of(loaded, inputs), policy, keep_stats, copy_all)
 
 
@@ -142,24 +143,40 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
 
 @torch.inference_mode()
 def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None,
-         num_layers: int | None = None) -> torch.Tensor:
+         num_layers: int | None = None, pad_to: int | None = None) -> torch.Tensor:
     """Feed `tokens` after the current length of `mode`'s cache (through the first `num_layers`
-    layers, all by default). Returns logits [q, V]. The compiled step (`fast`) serves it where it
-    is enabled and the step's buffers allow; else the eager `adapters.text_step`."""
+    layers, all by default). Returns logits [q, V].
+
+    One decode path: `fast.static_step` over the cache's buffers, through a compiled (CPU) or
+    captured (CUDA) graph where `loaded.fast` is enabled, else eagerly; the eager
+    `adapters.text_step` only serves a run that watches its decode attention (calibration).
+    `pad_to`: with captured graphs, a verification pass is fed as `pad_to` rows (the extra rows
+    repeat the last token after the real ones; causality keeps them from the real rows' logits), so
+    one graph serves every γ."""
     cache = run.cache
     if mode is not None:
         cache.mode = mode
     dev = loaded.device
-    ids = torch.tensor([tokens], device=dev)
-    pos = loaded.adapter.position_ids(cache.length + run.position_offset, len(tokens), dev)
+    fast = loaded.fast
+    q = rows = len(tokens)
+    if pad_to and fast is not None and fast.enabled and dev.type == "cuda":
+        rows = max(q, pad_to)
+    ids = torch.tensor([tokens + tokens[-1:] * (rows - q)], device=dev)
+    pos = loaded.adapter.position_ids(cache.length + run.position_offset, rows, dev)
     logits = None
-    if loaded.fast is not None and run.on_decode_attention is None:
-        logits = loaded.fast.step(cache, cache.mode, ids, pos, num_layers)  # None: eager
+    if run.on_decode_attention is None:
+        if fast is not None:
+            logits = fast.step(cache, cache.mode, ids, pos, num_layers)  # None: eager
+            run.fast_steps += logits is not None
+        bufs = None if logits is not None else buffers(cache, cache.mode, num_layers)
+        if bufs is not None:
+            layers, scales, offsets, _ = bufs
+            logits = static_step(loaded.model, ids, pos, layers, scales, offsets + cache.length)
     if logits is None:
         with active(run):
             logits = text_step(loaded.model, ids, pos, cache, num_layers)
-    cache.advance(len(tokens))
-    return logits[0]
+    cache.advance(q)
+    return logits[0, :q]
 
 
 def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.Tensor] | None = None,
@@ -193,12 +210,15 @@ def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.T
 @torch.inference_mode()
 def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 96,
            sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
-           keep_stats: bool = False, run_out: list | None = None) -> Trace:
+           keep_stats: bool = False, run_out: list | None = None, capacity_tokens: int = 0) -> Trace:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only).
-    `run_out`, if given, receives the `Run` (its prefill statistics, for evaluation figures)."""
+    `run_out`, if given, receives the `Run` (its prefill statistics, for evaluation figures).
+    `capacity_tokens`: size the cache for that many tokens (a warm-up run sized as the runs it
+    prepares, so their buffers and graphs are the ones it captured)."""
     dev = loaded.device
     eos = sampling.eos(loaded)
-    run = new_run(loaded, inputs, max_new_tokens + 1, policy, store_dense=policy is None, keep_stats=keep_stats)
+    run = new_run(loaded, inputs, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
+                  keep_stats=keep_stats)
     gen = sampling.generator(dev)
     sync(dev)
     _reset_peak(dev)
@@ -221,9 +241,11 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
     peak = _peak(dev)
     if run_out is not None:
         run_out.append(run)
+    kv_bytes = run.cache.nbytes()
+    run.cache.release()
     return Trace(method, "dense" if policy is None else "direct", tokens, loaded.adapter.decode(tokens), t1 - t0,
-                 t2 - t1, run.cache.nbytes(), step_s=steps, layers=layer_records(run.selections, run.rows, inputs.m),
-                 peak_memory_bytes=peak[0], peak_memory_source=peak[1])
+                 t2 - t1, kv_bytes, step_s=steps, layers=layer_records(run.selections, run.rows, inputs.m),
+                 peak_memory_bytes=peak[0], peak_memory_source=peak[1], fast_steps=run.fast_steps)
 
 
 class PolicyDraft:
@@ -345,7 +367,7 @@ class GammaPlan:
 @torch.inference_mode()
 def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: str = "std", gamma: int = 9,
                        adaptive: bool = False, max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-                       on_token: Callable[[int], None] | None = None) -> Trace:
+                       on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0) -> Trace:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et al.'s acceptance rule).
 
     One round: the draft proposes up to γ tokens autoregressively; dense scores them all in one
@@ -358,7 +380,8 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
     dev = loaded.device
     eos = sampling.eos(loaded)
     refresh = getattr(draft, "refresh", True)
-    run = new_run(loaded, inputs, max_new_tokens + gamma + 2, draft.policy, store_dense=True, copy_all=not refresh)
+    run = new_run(loaded, inputs, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
+                  copy_all=not refresh)
     gen = sampling.generator(dev)
     sync(dev)
     _reset_peak(dev)
@@ -402,7 +425,8 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
         draft.before_verify(run)
         sync(dev)
         tv = time.perf_counter()
-        lg = step(loaded, run, out[-1:] + proposed, mode="dense")  # [len(proposed) + 1, V]
+        lg = step(loaded, run, out[-1:] + proposed, mode="dense",  # [len(proposed) + 1, V]
+                  pad_to=gamma + 1 if proposed else None)
         accepted, bonus = _accept(lg, proposed, q_probs, sampling, gen)
         committed = []
         for t in proposed[:accepted] + [bonus]:
@@ -431,10 +455,12 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
         draft_entries = (sum(lens) + m * (L - len(lens))) / L
     else:
         draft_entries = m * draft.layers / L
-    return Trace(method, "speculative", out, loaded.adapter.decode(out), t1 - t0, t2 - t1, run.cache.nbytes(),
+    kv_bytes = run.cache.nbytes()
+    run.cache.release()
+    return Trace(method, "speculative", out, loaded.adapter.decode(out), t1 - t0, t2 - t1, kv_bytes,
                  rounds=rounds, layers=layer_records(run.selections, run.rows, inputs.m), draft_entries=draft_entries,
                  draft_layers=getattr(draft, "layers", None), gamma=gamma, peak_memory_bytes=peak[0],
-                 peak_memory_source=peak[1])
+                 peak_memory_source=peak[1], fast_steps=run.fast_steps)
 
 
 def _accept(lg: torch.Tensor, proposed: list[int], q_probs: list[torch.Tensor], sampling: Sampling, gen):

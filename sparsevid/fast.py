@@ -41,12 +41,14 @@ graph.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .errors import InputError
 
 MODES = ("auto", "on", "off")
@@ -114,33 +116,19 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
 
 
 def static_attention(query, kv: StaticKV, scale):
-    """query [B, H, q, D] over each block's whole buffer [B, h_b, capacity_b, D] -> [B, q, H, D]
-    (the engine: B = 1; `bench --shape --batch`: B sequences of one length). Row t of block b sees
-    its entries 0 .. start_b + t (causality and the unfilled tail are one additive mask
-    [q, capacity_b]); the G query heads of a KV head are folded into rows (no K/V repeat)."""
-    B, H, q, D = query.shape
-    rows = torch.arange(q, device=query.device)
+    """query [B, H, q, D] over each block's buffer [B, h_b, capacity_b, D] -> [B, q, H, D]. Row t of
+    block b sees its entries 0 .. start_b + t (`kernels.attend`: lengths as tensors, no K/V repeat);
+    blocks hold disjoint query heads, together all of them."""
     outs = []
     for b in kv.blocks:
-        h_b = b.k.shape[1]
-        G = H // h_b if b.query_heads is None else b.query_heads.shape[0] // h_b
-        cols = torch.arange(b.k.shape[2], device=query.device)
-        mask = torch.zeros(q, cols.shape[0], dtype=query.dtype, device=query.device)
-        mask = mask.masked_fill(cols[None, :] > (kv.start[b.slot] + rows)[:, None], float("-inf"))
-        if b.bias is None:
-            mask = mask.repeat(G, 1)[None, None]  # [1, 1, G*q, n]: row g*q + t is query head g's row t
-        else:
-            mask = (mask[None, None] + b.bias[:, :, None, :]).reshape(1, h_b, G * q, -1)
         qb = query if b.query_heads is None else query.index_select(1, b.query_heads)
-        out = F.scaled_dot_product_attention(qb.reshape(B, h_b, G * q, D), b.k, b.v, attn_mask=mask, scale=scale)
-        outs.append(out.view(B, h_b * G, q, D))
+        outs.append(kernels.attend(qb, b.k, b.v, kv.start[b.slot], scale, b.bias))
     if len(outs) == 1 and kv.blocks[0].query_heads is None:
         out = outs[0]
-    else:  # blocks hold disjoint query heads, together all of them
-        out = query.new_empty(query.shape)
+    else:
+        out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         for b, o in zip(kv.blocks, outs):
-            out = out.index_copy(1, b.query_heads, o)
-    out = out.transpose(1, 2)
+            out = out.index_copy(2, b.query_heads, o)
     if kv.head_scale is not None:
         out = out * kv.head_scale.view(1, 1, -1, 1)
     return out
@@ -172,23 +160,67 @@ def buffers(cache, mode: str, num_layers: int | None = None):
             scales.append(sp.head_scale)
         layers.append(blocks)
     device = layers[0][0].k.device
-    for blocks in layers:
-        for b in blocks:  # one graph for every capacity (prompt length); fixed addresses for CUDA graphs
-            for t, dim in ((b.k, 2), (b.v, 2)) + (() if b.bias is None else ((b.bias, 2),)):
-                torch._dynamo.mark_dynamic(t, dim)
-                if device.type == "cuda":
-                    torch._dynamo.mark_static_address(t)
+    if device.type != "cuda":  # CPU: one inductor graph for every capacity (CUDA: captured graphs, `Captured`)
+        for blocks in layers:
+            for b in blocks:
+                for t in (b.k, b.v) + (() if b.bias is None else (b.bias,)):
+                    torch._dynamo.mark_dynamic(t, 2)
     per_head = any(b.query_heads is not None or b.bias is not None for blocks in layers for b in blocks)
     cache.static[key] = out = (layers, scales, torch.tensor(offsets, device=device), per_head)
     return out
 
 
-class FastSteps:
-    """The compiled step of one loaded model and its state.
+def signature(layers: list, scales: list) -> tuple:
+    """Every tensor a captured step reads or writes besides its inputs, by address and shape: two
+    steps with the same signature may replay the same CUDA graph (`cache.BufferPool` gives a run
+    the buffers of the previous run of the same shapes, so a graph outlives its run)."""
+    def sig(t):
+        return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
 
-    mode: "on" or "auto"; `enabled` says whether steps go through the compiled graph now
+    return tuple((sig(b.k), sig(b.v), sig(b.heads), sig(b.query_heads), sig(b.bias), b.slot)
+                 for blocks in layers for b in blocks) + tuple(sig(s) for s in scales)
+
+
+class Captured:
+    """One step kind captured as a CUDA graph: `static_step` over fixed buffers, its inputs (token
+    ids, positions, write positions) copied into static tensors before each replay.
+
+    Built at the first step of its kind: that step runs eagerly on a side stream (it computes the
+    real logits and KV, and pays Triton's compilation and cuBLAS's first-call costs outside the
+    capture), then the same call is captured (capture records, it does not run). A capture takes
+    about one eager step."""
+
+    def __init__(self, model, ids, pos, layers, scales, start, pool):
+        self.ids, self.pos, self.start = ids.clone(), pos.clone(), start.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.first = static_step(model, self.ids, self.pos, layers, scales, self.start)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = static_step(model, self.ids, self.pos, layers, scales, self.start)
+
+    def __call__(self, ids, pos, start):
+        if self.first is not None:  # the capturing call's own result
+            out, self.first = self.first, None
+            return out
+        self.ids.copy_(ids)
+        self.pos.copy_(pos)
+        self.start.copy_(start)
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites `out`
+
+
+class FastSteps:
+    """The fast steps of one loaded model and their state: on CUDA each step kind captured as a CUDA
+    graph (`Captured`, by hand: seconds, no compiler), on the CPU `static_step` compiled by inductor.
+
+    mode: "on" or "auto"; `enabled` says whether steps go through a graph now
     (after `runs.compile_steps` in auto mode: only if it measured faster). `message` says what happened
-    (compiled, kept eager and why, failed and why)."""
+    (compiled, kept eager and why, failed and why). On CUDA a verification pass of q rows is padded
+    to the run's γ + 1 (`pad_to`), so one graph serves every γ (the padding rows write past the
+    committed tokens, where nothing reads before it is overwritten)."""
 
     def __init__(self, model, device: torch.device, mode: str = "auto"):
         self.model, self.device, self.mode = model, device, mode
@@ -201,9 +233,32 @@ class FastSteps:
         # turns it off where their compiled step measures slower than eager (on some CPUs it is)
         self.per_head = True
         self.per_head_calls = 0  # steps of a per-head layout served by the graph
+        self.warmed: set = set()  # (prompt length, cache size, methods, settings) `runs.warm_up` prepared
+        self.graphs: dict = {}  # CUDA: (signature, q, layers) -> Captured, most recently used last
+        self.graph_pool = None
+        self.captures = 0
+        self.capture_s = 0.0
+
+    max_graphs = 48
+
+    def captured(self, input_ids, position_ids, layers, scales, start):
+        """Logits through the CUDA graph of this step kind, captured at its first call."""
+        key = (signature(layers, scales), input_ids.shape[1], len(layers))
+        g = self.graphs.pop(key, None)
+        if g is None:
+            t0 = time.perf_counter()
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            g = Captured(self.model, input_ids, position_ids, layers, scales, start, self.graph_pool)
+            self.captures += 1
+            self.capture_s += time.perf_counter() - t0
+            while len(self.graphs) >= self.max_graphs:  # the least recently used goes
+                self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = g
+        return g(input_ids, position_ids, start)
 
     def compiled_step(self):
-        """`static_step` compiled for this device (built once; graphs are compiled at first calls)."""
+        """`static_step` compiled by inductor for the CPU (built once; graphs are compiled at first calls)."""
         if self.compiled is None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                                   os.path.join(os.path.expanduser("~"), ".cache", "sparsevid", "inductor"))
@@ -212,19 +267,17 @@ class FastSteps:
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             fx_config.use_duck_shape = False  # two buffers of equal capacity in one run must not share a size
-            if self.device.type == "cuda":
-                self.compiled = torch.compile(static_step, mode="reduce-overhead")
-            else:
-                import torch._inductor.config as inductor_config
+            import torch._inductor.config as inductor_config
 
-                inductor_config.cpp_wrapper = True
-                self.compiled = torch.compile(static_step)
+            inductor_config.cpp_wrapper = True
+            self.compiled = torch.compile(static_step)
         return self.compiled
 
     def step(self, cache, mode: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
              num_layers: int | None = None) -> torch.Tensor | None:
-        """Logits [1, q, V] through the compiled graph, or None (the caller runs the eager step): not
-        enabled, a layer with no buffer to read, or compilation failed (then disabled for good)."""
+        """Logits [1, q, V] through the compiled or captured graph, or None (the caller runs the eager
+        step): not enabled, a layer with no buffer to read, or compilation failed (then disabled for
+        good)."""
         if not self.enabled:
             return None
         bufs = buffers(cache, mode, num_layers)
@@ -233,16 +286,21 @@ class FastSteps:
         layers, scales, offsets, per_head = bufs
         if per_head and not self.per_head:
             return None
-        if input_ids.shape[1] > 1:  # a verification pass: one graph for every γ
-            torch._dynamo.mark_dynamic(input_ids, 1)
-            torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 1)
+        start = offsets + cache.length
         try:
-            out = self.compiled_step()(self.model, input_ids, position_ids, layers, scales, offsets + cache.length)
+            if self.device.type == "cuda":
+                out = self.captured(input_ids, position_ids, layers, scales, start)
+            else:
+                if input_ids.shape[1] > 1:  # a verification pass: one graph for every γ
+                    torch._dynamo.mark_dynamic(input_ids, 1)
+                    torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 1)
+                out = self.compiled_step()(self.model, input_ids, position_ids, layers, scales, start)
         except Exception as e:  # never fail a run because compilation failed: eager from now on
             root = getattr(e, "inner_exception", None) or e  # a backend's own error, not dynamo's wrapper
             first = (str(root).strip().splitlines() or [""])[0][:200]
             self.enabled = False
-            self.message = f"eager: compilation failed ({type(root).__name__}: {first})"
+            what = "capture" if self.device.type == "cuda" else "compilation"
+            self.message = f"eager: {what} failed ({type(root).__name__}: {first})"
             warnings.warn(f"sparsevid: {self.message}", RuntimeWarning)
             return None
         self.calls += 1

@@ -1,14 +1,22 @@
 """The whole GPU check in one command, for a machine with a CUDA device: `python -m sparsevid.gpu_check
---out gpu.json` (about 5-8 minutes on one H100/H200-class GPU).
+--out gpu.json` (about 3-4 minutes on one H100/H200-class GPU, from a cold process: no compiler,
+the steps are captured as CUDA graphs by hand).
 
-1. the tests, with the CUDA-only ones (compiled CUDA-graph steps against eager on the embedded model);
-2. the cost side at the 7B shapes (`bench --shape`, all layers, bf16, CUDA graphs), batch 1 and 8,
-   16k-64k prompt tokens: the StD paper's setting;
-3. the embedded model's long-prompt benchmark with compiled steps (`bench --frames 256,512`).
+Parts, each its own process with its own timeout (a part that fails or hangs is killed and the
+others still run; the JSON is written after every part):
 
-Each part runs as its own process (a failure in one does not stop the others) and everything lands
-in one JSON file: the device, each part's command, exit status, seconds, its JSON output (or the
-tail of what it printed).
+1. `tests`: the kernel and CUDA-graph tests (`tests/test_kernels.py`, the CUDA test of `test_fast.py`);
+2. `kernels`: decode attention of one layer at the 7B head shape, each backend (`kernels.BACKENDS`)
+   and SDPA's mask-free flash kernel as the ceiling, batch 1 and 8, 16k-64k entries, 1 and γ + 1
+   rows: ms, GB/s, error against float64 (`bench --verify-kernels`);
+3. `shapes`: the 28-layer 7B shape (random weights, bf16), batch 1 and 8, prompts 16k-64k: dense
+   step, draft step and verification, eager and captured, each against its limit, and StD's round
+   bound against the ideal one (`bench --shape`); `shapes-sdpa`: one row of it with SDPA attention;
+4. `embedded`: the embedded model in bf16 on every bundled example, every method against dense as
+   the app runs them (`runs.compare`, warm-up included): tokens identical for the lossless ones,
+   decode speedups, steps served by graphs, and the first comparison's seconds from a cold model.
+
+Prints one line of exit codes and seconds; everything lands in --out.
 """
 
 from __future__ import annotations
@@ -16,37 +24,91 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 import torch
 
+SEQ = "16384,32768,65536"
 PARTS = {
-    "tests": [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_fast.py", "tests/test_speculative.py",
-              "tests/test_core.py"],
-    "shapes": [sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1,8",
-               "--seq", "16384,32768,65536", "--repeats", "5", "--compile", "on", "--json"],
-    "embedded": [sys.executable, "-m", "sparsevid", "bench", "--frames", "256,512", "--methods",
-                 "std,htsparse,sparsemm", "--repeats", "3", "--compile", "on", "--json"],
+    "tests": ([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_kernels.py",
+               "tests/test_fast.py", "-k", "cuda or kernel"], 90),
+    "kernels": ([sys.executable, "-m", "sparsevid", "bench", "--verify-kernels", "--shape", "qwen2-vl-7b", "--batch",
+                 "1,8", "--seq", SEQ, "--json"], 60),
+    "shapes": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1,8", "--seq", SEQ,
+                "--json"], 150),
+    "shapes-sdpa": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1", "--seq",
+                     "16384", "--json"], 60),
+    "embedded": ([sys.executable, "-m", "sparsevid.gpu_check", "--embedded"], 120),
 }
+ENV = {"shapes-sdpa": {"SPARSEVID_ATTENTION": "sdpa"}}
+LOSSLESS = ("std", "streaming", "layerskip")
+LOSSY = ("htsparse", "sparsemm")
 
 
-def run_part(cmd: list[str], timeout: int) -> dict:
+def run_part(name: str, cmd: list[str], timeout: int) -> dict:
+    """Run one part in its own process session; killed with its children at `timeout`."""
     t0 = time.perf_counter()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **ENV.get(name, {}))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        out, rc = p.stdout, p.returncode
-        tail = (p.stdout + p.stderr)[-4000:]
-    except subprocess.TimeoutExpired as e:
-        out, rc, tail = "", 124, f"timed out after {timeout} s: {str(e.stdout or '')[-2000:]}"
+        out, err = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        out, err = p.communicate()
+        rc = 124
     part = dict(command=" ".join(cmd), returncode=rc, seconds=round(time.perf_counter() - t0, 1))
     try:
         part["result"] = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        part["output_tail"] = tail
+        part["output_tail"] = (out + err)[-4000:]
+    if rc != 0 and "output_tail" not in part:
+        part["output_tail"] = err[-3000:]
     return part
+
+
+@torch.inference_mode()
+def embedded(names=("dense",) + LOSSLESS + LOSSY, max_new_tokens: int = 96) -> dict:
+    """The embedded model, bf16 on CUDA, captured steps: each bundled example compared as the app
+    does (`runs.compare`, 3 timing passes)."""
+    from .demo.config import EXAMPLES_DIR, load_examples
+    from .fast import enable
+    from .models import load_model
+    from .runs import compare
+    from .video import load_video
+
+    t0 = time.perf_counter()
+    loaded = load_model(None, device="cuda", dtype="bfloat16")
+    enable(loaded, "on")
+    load_s = time.perf_counter() - t0
+    rows, first = [], None
+    for e in load_examples(EXAMPLES_DIR):
+        tc = time.perf_counter()
+        vid = load_video(e["path"], int(e["frames"]))
+        inputs = loaded.adapter.build_inputs(vid.frames, e["question"], vid.timestamps).to(loaded.device)
+        traces, figs = compare(loaded, inputs, list(names), None, max_new_tokens, repeats=3)
+        took = time.perf_counter() - tc
+        if first is None:
+            first = dict(example=e["file"], seconds=took, with_load=took + load_s,
+                         captures=loaded.fast.captures, capture_s=loaded.fast.capture_s)
+        dense = traces["dense"]
+        for n in names[1:]:
+            t = traces[n]
+            rows.append(dict(example=e["file"], frames=int(e["frames"]), visual_tokens=inputs.m_v, method=n,
+                             tokens=len(t.token_ids), identical=t.token_ids == dense.token_ids,
+                             lossless=n in LOSSLESS, speedup=figs[n].get("speedup"),
+                             fast_steps=t.fast_steps, dense_fast_steps=dense.fast_steps,
+                             dense_step_ms=statistics.median(dense.step_s) * 1e3 if dense.step_s else None,
+                             seconds=took))
+    lossless = [r for r in rows if r["lossless"]]
+    return dict(load_s=load_s, first_comparison=first, captures=loaded.fast.captures,
+                capture_s=loaded.fast.capture_s, all_lossless_identical=all(r["identical"] for r in lossless),
+                min_lossless_speedup=min((r["speedup"] for r in lossless if r["speedup"]), default=None),
+                rows=rows)
 
 
 def main(argv=None) -> int:
@@ -54,15 +116,19 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of: {', '.join(PARTS)}")
-    p.add_argument("--timeout", type=int, default=240, help="seconds per part")
+    p.add_argument("--embedded", action="store_true", help="run the embedded part in this process (JSON on stdout)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device: this check is for a GPU machine", file=sys.stderr)
         return 2
+    if args.embedded:
+        print(json.dumps(embedded()))
+        return 0
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, parts={})
     for name in args.parts.split(","):
-        print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
-        report["parts"][name] = run_part(PARTS[name], args.timeout)
+        cmd, timeout = PARTS[name]
+        print(f"gpu_check: {name} (at most {timeout} s) ...", file=sys.stderr, flush=True)
+        report["parts"][name] = run_part(name, cmd, timeout)
         with open(args.out, "w") as f:  # written after every part: a killed run keeps what it has
             json.dump(report, f, indent=1)
     print(json.dumps({n: (r["returncode"], r["seconds"]) for n, r in report["parts"].items()}))

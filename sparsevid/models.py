@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from . import attention
 from .adapters import Adapter, adapter_for
+from .cache import BufferPool
 from .errors import ModelError
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
@@ -41,6 +42,7 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     fast: object = None  # `fast.FastSteps` when compiled steps are enabled (`fast.enable`)
+    pool: BufferPool = field(default_factory=BufferPool)  # KV buffers kept between runs (`cache.BufferPool`)
 
     @property
     def text_config(self):

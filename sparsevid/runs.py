@@ -47,14 +47,16 @@ def _with_head_scores(config, loaded: Loaded):
 
 def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | None = None,
                max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-               on_token: Callable[[int], None] | None = None) -> Trace:
-    """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`)."""
+               on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0) -> Trace:
+    """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`);
+    `capacity_tokens`: its cache sized for that many tokens (`engine.decode`)."""
     method = METHODS[name]
     config, spec = configure(name, settings)
     hs = None
     if getattr(config, "needs_head_scores", False):
         config, hs = _with_head_scores(config, loaded)
-    kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token)
+    kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token,
+              capacity_tokens=capacity_tokens)
     if method.kind == "dense":
         trace = decode(loaded, inputs, **kw)
     elif method.kind == "direct":
@@ -87,8 +89,10 @@ def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> 
     return out
 
 
-def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None) -> str:
-    """Compile every step kind `names` will use (two short runs of each on `inputs`) and, in auto
+def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None,
+                  capacity_tokens: int = 96) -> str:
+    """Compile (CPU) or capture (CUDA) every step kind `names` will use (two short runs of each on
+    `inputs`, their caches sized for `capacity_tokens`, as the runs that follow) and, in auto
     mode, keep the compiled steps only if a dense step measures faster than eager (interleaved,
     medians). With `lock` (the app's run lock), each method's runs hold it and the steps stay eager
     in between, so the app serves eager runs until compilation is done. Returns `message`."""
@@ -96,6 +100,7 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
     if fast is None:
         return "eager"
     fast.prepared = True
+    fast.warmed.add(_warm_key(inputs, names, settings, capacity_tokens))
     sampling = Sampling(ignore_eos=True)
     lock = lock if lock is not None else contextlib.nullcontext()
     took, failed = 0.0, False
@@ -104,7 +109,7 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
             fast.enabled = True
             t0 = time.perf_counter()
             for _ in range(2):  # a second run: another γ, another length
-                run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
+                run_method(loaded, inputs, name, settings, max_new_tokens, sampling, capacity_tokens=capacity_tokens)
             took += time.perf_counter() - t0
             failed = not fast.enabled  # compilation failed: `message` says why
             fast.enabled = False
@@ -146,14 +151,27 @@ class Cancelled(Exception):
     """A comparison stopped because its `should_stop` said so."""
 
 
+def _warm_key(inputs: VideoInputs, names, settings, capacity_tokens: int) -> tuple:
+    return inputs.m, capacity_tokens, tuple(names), tuple(sorted((settings or {}).items()))
+
+
 def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None] | None = None,
-            names=("dense",), settings: dict | None = None) -> None:
-    """One short dense run on the prompt: first-call costs (allocator, kernels, caches) are paid here;
-    with compiled steps enabled (`fast.enable`) and not yet compiled, every step kind of `names`
-    is compiled here too (`compile_steps`)."""
-    if loaded.fast is not None and not loaded.fast.prepared:
-        compile_steps(loaded, inputs, names, settings)
-    decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token)
+            names=("dense",), settings: dict | None = None, max_new_tokens: int = 96) -> None:
+    """Prepare everything the timed runs of `names` on this prompt will use, so that nothing is
+    compiled or captured inside them: with fast steps enabled (`fast.enable`), every step kind
+    of `names` is compiled (first time: `compile_steps`) or, for a prompt of a new length, run
+    once in a short run of each method with the timed runs' cache size (CUDA: the same buffers,
+    so their graphs are captured here; CPU: a new length recompiles here if it must). Then one
+    short dense run: first-call costs (allocator, kernels, caches) are paid here."""
+    fast = loaded.fast
+    if fast is not None and not fast.prepared:
+        compile_steps(loaded, inputs, names, settings, capacity_tokens=max_new_tokens)
+    elif fast is not None and fast.enabled and _warm_key(inputs, names, settings, max_new_tokens) not in fast.warmed:
+        for name in dict.fromkeys(["dense", *names]):
+            run_method(loaded, inputs, name, settings, 8, Sampling(ignore_eos=True), capacity_tokens=max_new_tokens)
+        fast.warmed.add(_warm_key(inputs, names, settings, max_new_tokens))
+    decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token,
+           capacity_tokens=max_new_tokens)
 
 
 def dense_pair_s(before: Trace, after: Trace) -> float:
@@ -204,7 +222,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         return cb
 
     if warmup:
-        warm_up(loaded, inputs, callback(None), names, settings)
+        warm_up(loaded, inputs, callback(None), names, settings, max_new_tokens)
     dense_runs = [run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback("dense"))]
     if on_result is not None:
         on_result(dense_runs[0])

@@ -123,6 +123,7 @@ class Trace:
     config: dict = field(default_factory=dict)
     decode_runs_s: list[float] = field(default_factory=list)  # each timing pass's decode time (runs.compare)
     dense_pair_s: list[float] = field(default_factory=list)  # the dense decode time each pass is paired with
+    fast_steps: int = 0  # decode steps (and verification passes) served by a compiled or captured graph
 
     @property
     def total_s(self) -> float:

@@ -124,13 +124,13 @@ def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monke
     backend.get_model.cache_clear()
 
 
-def test_bench_verify_kernels_lists_every_candidate_exact_to_float32(capsys):
+def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     from sparsevid import cli
 
-    assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256"]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 |")]
-    assert len(rows) == 8 and {r[2] for r in rows} >= {"SDPA, additive mask (used)", "baddbmm + softmax + bmm"}
-    assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # every candidate is exact attention
+    assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 4 and {r[3] for r in rows} == {"sdpa"}  # the CPU's backend; 1 and γ + 1 rows, 2 batches
+    assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # exact attention
 
 
 def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
@@ -144,11 +144,16 @@ def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
                      "--k", "64", "--compile", "off", "--repeats", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["batch"], r["prompt"]) for r in rows] == [(1, 320), (1, 576), (2, 320), (2, 576)]
-    assert all(r["k"] == 64 and r["dense_step_ms"] > 0 and r["draft_step_ms"] > 0 and r["verify_ms"] > 0 for r in rows)
+    assert all(r["k"] == 64 and r["dense_ms"] > 0 and r["draft_ms"] > 0 and r["verify_ms"] > 0 for r in rows)
+    # each step against its limit (weights + KV read at the measured copy bandwidth), and StD's bound
+    assert all(r["dense_vs_limit"] > 0.5 and r["dense_limit_ms"] > r["draft_limit_ms"] for r in rows)
+    assert all(0 < r["round_bound"] and 1 <= r["ideal_round_bound"] for r in rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
 def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
+    """float32 on CUDA: every method's tokens through captured graphs equal its eager tokens, and
+    once warmed up, runs of the prompt replay graphs without capturing any (buffers from the pool)."""
     from sparsevid.bench import bench_clip
     from sparsevid.models import load_model
 
@@ -157,8 +162,10 @@ def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
     inputs = loaded.adapter.build_inputs(frames, question).to(loaded.device)
     eager = {n: run_method(loaded, inputs, n, SETTINGS, 48).token_ids for n in METHODS + ("htsparse", "sparsemm")}
     fast.enable(loaded, "on")
-    compile_steps(loaded, inputs, list(eager), SETTINGS)
-    before = graphs()
+    compile_steps(loaded, inputs, list(eager), SETTINGS, capacity_tokens=48)
+    before = loaded.fast.captures
     for n, tokens in eager.items():
-        assert run_method(loaded, inputs, n, SETTINGS, 48).token_ids == tokens, n
-    assert graphs() == before and loaded.fast.calls > 0
+        res = run_method(loaded, inputs, n, SETTINGS, 48)
+        assert res.token_ids == tokens, n
+        assert res.fast_steps > 0, n
+    assert loaded.fast.captures == before

@@ -1,0 +1,150 @@
+"""Decode attention: a few new query rows per sequence over a preallocated KV buffer.
+
+Every decode step (dense, draft, verification of γ + 1 rows) attends q new rows over a buffer whose
+capacity is fixed for the run, of which only the first `start + q` entries are written. `attend`
+takes the write position `start` as a tensor, so one captured CUDA graph or one compiled graph
+serves every step of a run. Row t of sequence b sees entries 0 .. start[b] + t (causality and the
+unfilled tail), and optionally an additive per-query-head bias (HT-Sparse's query masks).
+
+Two backends compute the same thing:
+
+- `sdpa`: PyTorch's `scaled_dot_product_attention` with an additive mask [q, capacity] built from
+  `start`, the G query heads of a KV head folded into rows (no K/V repeat). It reads the whole
+  buffer. On the CPU it is the fast one (one fused call); on CUDA a mask rules out the flash kernel
+  and it was measured at 91 GB/s on one H200 (issue 39);
+- `triton`: a split-KV ("flash-decoding") kernel written here, because none of the libraries at
+  hand does this with lengths as tensors and GQA without repeating K/V (SDPA's flash kernel takes
+  no lengths; FlashInfer and flash-attn are not installed on the GPU image): the grid is
+  (sequence x KV head, split of the keys); each program reads its split of one KV head once for
+  all G * q rows of that head (one `tl.dot`), stops at the sequence's length, and writes a partial
+  output and log-sum-exp; a second small kernel combines the splits. The number of splits depends
+  on the capacity only, never on q, so a row's arithmetic is the same in a one-row step and in a
+  verification pass.
+
+`backend()` picks `triton` on CUDA where Triton imports, else `sdpa`; SPARSEVID_ATTENTION=sdpa|triton
+overrides it (the GPU check times both). The tests check both against a float64 reference on the
+CPU (Triton's interpreter, TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# SPARSEVID_ATTENTION=sdpa|triton forces a backend (read once; `gpu_check` sets FORCED to time each)
+FORCED: str | None = os.environ.get("SPARSEVID_ATTENTION") if os.environ.get("SPARSEVID_ATTENTION") in BACKENDS else None
+
+
+def backend(device: torch.device) -> str:
+    """The decode-attention backend for `device`: FORCED if set, else triton on CUDA (where it
+    imports), sdpa elsewhere."""
+    if FORCED is not None:
+        return FORCED
+    return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+
+
+def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
+           bias: torch.Tensor | None = None, which: str | None = None) -> torch.Tensor:
+    """query [B, H, q, D] over k, v [B, Hkv, N, D] -> [B, q, H, D].
+
+    start: LongTensor, [] or [B]: where this step's q rows were written (row t sees entries
+    0 .. start + t); bias: optional additive [Hkv, G, N] (-inf: query head g of KV head h may not
+    read that entry), shared by the batch. H = Hkv * G."""
+    which = which or backend(query.device)
+    if which == "triton":
+        return attend_triton(query, k, v, start, scale, bias)
+    return attend_sdpa(query, k, v, start, scale, bias)
+
+
+def attend_sdpa(query, k, v, start, scale, bias=None):
+    """`attend` through SDPA with an additive mask (see the module docstring)."""
+    B, H, q, D = query.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = H // Hkv
+    rows = torch.arange(q, device=query.device)
+    cols = torch.arange(N, device=query.device)
+    ends = start.reshape(-1, 1, 1) + rows[:, None]  # [B or 1, q, 1]: the last entry row t sees
+    mask = torch.zeros(ends.shape[0], q, N, dtype=query.dtype, device=query.device)
+    mask = mask.masked_fill(cols > ends, float("-inf"))[:, None, None]  # [B or 1, 1, 1, q, N]
+    if bias is not None:
+        mask = mask + bias[None, :, :, None, :].to(query.dtype)
+    mask = mask.expand(-1, Hkv, G, q, N).reshape(mask.shape[0], Hkv, G * q, N)
+    out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
+    # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
+    return out.reshape(B, H, q, D).transpose(1, 2)
+
+
+def splits_for(capacity: int, rows: int, device: torch.device, block_n: int) -> tuple[int, int]:
+    """(number of splits, keys per split) of a buffer of `capacity` for `rows` (sequences x KV heads)
+    programs each: about four programs per multiprocessor, each at least 4 key blocks. Depends on
+    the capacity, never on the step's q."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, (4 * sms) // max(1, rows))
+    per = max(4 * block_n, math.ceil(capacity / want / block_n) * block_n)
+    return math.ceil(capacity / per), per
+
+
+def attend_triton(query, k, v, start, scale, bias=None):
+    """`attend` through the split-KV Triton kernel (see the module docstring)."""
+    from ._triton_attention import combine, split_kv
+
+    B, H, q, D = query.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = H // Hkv
+    block_n = 64 if D <= 64 else 32 if G * q > 64 else 64
+    block_m = max(16, triton_next_pow2(G * q))
+    block_d = max(16, triton_next_pow2(D))
+    splits, per = splits_for(N, B * Hkv, query.device, block_n)
+    start = start.reshape(-1).expand(B).contiguous() if start.numel() == 1 else start.contiguous()
+    o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
+    l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
+    bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
+    bs = bias.stride() if bias is not None else (0, 0, 0)
+    split_kv[(B * Hkv, splits)](
+        query, k, v, start, bias_t, o_part, l_part,
+        *query.stride(), *k.stride(), *v.stride(), *bs,
+        scale, Hkv, q, per, D,
+        G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_BIAS=bias is not None,
+        IEEE=query.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8, num_stages=2)
+    out = torch.empty(B, q, H, D, dtype=query.dtype, device=query.device)
+    combine[(B * Hkv, G * q)](o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(),
+                              Hkv, q, D, splits, G=G, SPLITS=max(2, triton_next_pow2(splits)), BLOCK_D=block_d)
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def reference(query, k, v, start, scale, bias=None) -> torch.Tensor:
+    """`attend` in float64, one row at a time over exactly the entries it sees: the tests' reference."""
+    B, H, q, D = query.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    out = torch.empty(B, q, H, D, dtype=torch.float64)
+    starts = start.reshape(-1).expand(B) if start.numel() == 1 else start.reshape(-1)
+    for b in range(B):
+        for t in range(q):
+            n = int(starts[b]) + t + 1
+            for h in range(H):
+                s = query[b, h, t].double() @ k[b, h // G, :n].double().T * scale
+                if bias is not None:
+                    s = s + bias[h // G, h % G, :n].double()
+                out[b, t, h] = torch.softmax(s, -1) @ v[b, h // G, :n].double()
+    return out

@@ -1,0 +1,97 @@
+"""Decode attention (`sparsevid.kernels`): every backend against a float64 reference, on the CPU
+(Triton through its interpreter) and, where there is one, on a CUDA device."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles anything: run its kernels on the CPU
+
+from sparsevid import kernels  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (batch, KV heads, query heads per KV head, rows, head dim, capacity, write positions)
+CASES = [
+    (1, 4, 2, 1, 24, 100, [60]),  # the embedded model's heads, a decode step
+    (2, 4, 2, 5, 24, 300, [200, 37]),  # two sequences of different lengths, a verification
+    (1, 1, 4, 3, 24, 70, [10]),  # one KV head (a per-head block)
+    (1, 4, 7, 10, 128, 700, [600]),  # the 7B heads, γ + 1 rows
+    (3, 2, 2, 2, 32, 2600, [0, 5, 2590]),  # many splits; a row that sees one entry
+]
+
+
+def backends(device):
+    out = ["sdpa"]
+    if kernels.triton_available() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        out.append("triton")
+    return out
+
+
+def inputs(B, Hkv, G, q, D, N, starts, device, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(B, Hkv * G, q, D, generator=g), torch.randn(B, Hkv, N, D, generator=g),
+         torch.randn(B, Hkv, N, D, generator=g)]
+    b = None
+    if bias:  # HT-Sparse's per-query-head masks: some entries hidden from some heads, never the first
+        b = torch.zeros(Hkv, G, N).masked_fill(torch.rand(Hkv, G, N, generator=g) < 0.3, float("-inf"))
+        b[..., 0] = 0
+    return [t.to(device) for t in x], torch.tensor(starts, device=device), None if b is None else b.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_kernel_backend_matches_float64_attention(device, case, bias):
+    B, Hkv, G, q, D, N, starts = case
+    (query, k, v), start, b = inputs(B, Hkv, G, q, D, N, starts, device, bias)
+    ref = kernels.reference(query.cpu(), k.cpu(), v.cpu(), start.cpu(), D ** -0.5, None if b is None else b.cpu())
+    for which in backends(device):
+        out = kernels.attend(query, k, v, start, D ** -0.5, b, which=which)
+        assert out.shape == (B, q, Hkv * G, D)
+        err = (out.double().cpu() - ref).abs().max().item()
+        assert err < 2e-6, (which, err)  # float32 accumulation; TF32 is off for float32 inputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_entries_past_a_rows_position_are_never_read(device):
+    """Whatever the unfilled tail holds (a reused buffer: last run's values, even NaN), and whatever
+    later rows of a verification wrote, row t's output depends on entries 0 .. start + t only."""
+    (query, k, v), start, _ = inputs(1, 4, 2, 4, 24, 200, [120], device)
+    clean = {w: kernels.attend(query, k, v, start, 0.2, which=w) for w in backends(device)}
+    k[:, :, 124:], v[:, :, 124:] = float("nan"), float("nan")  # the tail past the last row
+    k[:, :, 123], v[:, :, 123] = 1e4, -1e4  # written by row 3: rows 0-2 must not see it
+    for w, before in clean.items():
+        after = kernels.attend(query, k, v, start, 0.2, which=w)
+        if w == "sdpa":  # SDPA's additive mask reads every entry: NaN poisons it; the engine's tail is finite
+            continue
+        assert torch.equal(after[:, :3], before[:, :3]), w
+        assert torch.isfinite(after).all(), w
+
+
+def test_sdpa_backend_takes_a_non_contiguous_sdpa_output(monkeypatch):
+    """SDPA's CUDA kernels may return [B, Hkv, G*q, D] with other strides (the float32 crash of
+    issue 39: `view` on it failed); the backend reshapes, whatever the layout."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, non-contiguous
+
+    (query, k, v), start, _ = inputs(1, 4, 2, 3, 24, 50, [30], "cpu")
+    monkeypatch.setattr(F, "scaled_dot_product_attention", strided)
+    out = kernels.attend_sdpa(query, k, v, start, 0.2)
+    ref = kernels.reference(query, k, v, start, 0.2)
+    assert (out.double() - ref).abs().max() < 1e-6
+
+
+def test_the_backend_is_triton_on_cuda_and_sdpa_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(kernels, "FORCED", None)
+    assert kernels.backend(torch.device("cpu")) == "sdpa"
+    if kernels.triton_available():
+        assert kernels.backend(torch.device("cuda")) == "triton"
+    monkeypatch.setattr(kernels, "FORCED", "sdpa")
+    assert kernels.backend(torch.device("cuda")) == "sdpa"
