@@ -137,10 +137,10 @@ def bench_main(args) -> int:
     """Each method interleaved with dense on the same clip(s), after a warm-up: every method's run
     between two dense runs and its decode speedup against their mean (as `runs.compare` pairs them);
     medians over clips and repeats."""
-    if args.shape:
-        return mechanical(args)
     if args.verify_kernels:
         return verify_kernels(args)
+    if args.shape:
+        return mechanical(args)
     loaded = load_model(args.model, args.device, args.dtype)
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
@@ -330,6 +330,9 @@ def time_calls(fn, dev: torch.device, calls: int = 20, repeats: int = 5) -> floa
     return statistics.median(out)
 
 
+TRITON_VARIANTS = ((32, 8, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))
+
+
 @torch.inference_mode()
 def verify_kernels(args) -> int:
     """Time each decode-attention backend (`kernels.BACKENDS`) for one layer: q = 1 (a step) and
@@ -374,11 +377,15 @@ def verify_kernels(args) -> int:
                     kk, vv = k[:, :, :n], v[:, :, :n]
                     cands["sdpa, no mask (ceiling)"] = lambda: F.scaled_dot_product_attention(
                         q, kk, vv, scale=D ** -0.5, enable_gqa=True)
+                if "triton" in backends:  # tile variants (key block, warps, stages), timed for the record
+                    for bn, w, st in TRITON_VARIANTS:
+                        cands[f"triton n{bn} w{w} s{st}"] = (lambda bn=bn, w=w, st=st: kernels.attend_triton(
+                            q, k, v, start, D ** -0.5, block_n=bn, num_warps=w, num_stages=st))
                 for name, fn in cands.items():
                     t = time_calls(fn, dev)
                     out = fn()
                     err = None
-                    if name in kernels.BACKENDS:
+                    if not name.startswith("sdpa, no mask"):
                         err = (out[:1, :, :G].double().cpu() - ref).abs().max().item()
                     rows.append(dict(batch=B, entries=n, rows=q_rows, kernel=name, ms=t * 1e3,
                                      gb_s=nbytes / t / 1e9, max_error=err))
@@ -450,7 +457,6 @@ def mechanical(args) -> int:
     gamma = int(args.settings.get("gamma", 9))
     k = check_settings({"k": args.settings["k"]})["k"] if args.settings.get("k") else None
     graphs = dev.type == "cuda" and args.compile != "off"
-    pool = torch.cuda.graph_pool_handle() if graphs else None
     m_t = 64
     if args.seq:
         visual = [int(v) - m_t for v in args.seq.split(",")]
@@ -477,7 +483,7 @@ def mechanical(args) -> int:
                 eager = time_calls(step, dev, calls=3, repeats=3)
                 if not graphs:
                     return eager, None
-                g = Captured(model, ids, pos, blocks, [None] * layers, start, pool)
+                g = Captured(model, ids, pos, blocks, [None] * layers, start)
                 g(ids, pos, start)  # the capturing call's own result
                 t = time_calls(g.graph.replay, dev, calls=10, repeats=5)
                 del g

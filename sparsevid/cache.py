@@ -22,22 +22,35 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class BufferPool:
-    """A loaded model's KV buffers, kept between runs: a run asks for each buffer by name (role,
-    layer, block) and shape, and gets the one the last run of that name and shape gave back, so
-    CUDA graphs captured in one run replay in the next (`fast.Captured`). A buffer is handed to one
-    cache at a time: a name that is out gets a fresh tensor. Buffers come back zeroed."""
+    """A loaded model's KV buffers on CUDA, kept between runs: a run asks for each buffer by name
+    (role, layer, block) and shape, and gets the one the last run of that name and shape gave back,
+    so CUDA graphs captured in one run replay in the next (`fast.Captured`). A buffer is handed to
+    one cache at a time: one that is out gets a fresh tensor. Buffers come back zeroed. At most
+    `shapes` shapes per name are kept (dense and speculative runs size their caches differently,
+    and each method its compact blocks)."""
 
-    def __init__(self):
-        self.free: dict = {}
+    def __init__(self, shapes: int = 6):
+        self.free: dict = {}  # (name, shape, dtype) -> tensor, oldest first
+        self.shapes = shapes
 
     def take(self, name, shape, dtype, device) -> torch.Tensor:
-        t = self.free.pop(name, None)
-        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+        t = self.free.pop((name, tuple(shape), dtype), None)
+        if t is None or t.device != torch.device(device):
             return torch.zeros(shape, dtype=dtype, device=device)
         return t.zero_()
 
     def give_back(self, taken: dict) -> None:
-        self.free.update(taken)
+        for name, t in taken.items():
+            key = (name, tuple(t.shape), t.dtype)
+            self.free.pop(key, None)
+            self.free[key] = t
+            same = [k for k in self.free if k[0] == name]
+            for k in same[:-self.shapes]:  # the oldest shapes of this name go
+                del self.free[k]
+
+    def idle_bytes(self) -> int:
+        """Bytes of the buffers waiting in the pool (not any run's)."""
+        return sum(t.numel() * t.element_size() for t in self.free.values())
 
 
 class Buffers:

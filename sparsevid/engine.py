@@ -104,10 +104,11 @@ def _reset_peak(device: torch.device) -> None:
         pass
 
 
-def _peak(device: torch.device) -> tuple[int | None, str | None]:
-    """(bytes, source): CUDA peak allocated since `_reset_peak`, or the CPU peak resident growth."""
+def _peak(device: torch.device, pool=None) -> tuple[int | None, str | None]:
+    """(bytes, source): CUDA peak allocated since `_reset_peak` less the buffers that waited in the
+    pool all run (another run's: `cache.BufferPool`), or the CPU peak resident growth."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda"
+        return torch.cuda.max_memory_allocated(device) - (pool.idle_bytes() if pool is not None else 0), "cuda"
     if not _RSS_BASE:
         return None, None
     return max(0, _status_bytes("VmHWM") - _RSS_BASE[0]), "rss"
@@ -238,7 +239,7 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy
         sync(dev)
         steps.append(time.perf_counter() - ts)
     t2 = time.perf_counter()
-    peak = _peak(dev)
+    peak = _peak(dev, loaded.pool)
     if run_out is not None:
         run_out.append(run)
     kv_bytes = run.cache.nbytes()
@@ -448,7 +449,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: st
             break
         draft.end_round(run, fed, out)
     t2 = time.perf_counter()
-    peak = _peak(dev)
+    peak = _peak(dev, loaded.pool)
     L, m = loaded.num_layers, inputs.m
     if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
         lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]

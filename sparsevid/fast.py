@@ -188,9 +188,10 @@ class Captured:
     Built at the first step of its kind: that step runs eagerly on a side stream (it computes the
     real logits and KV, and pays Triton's compilation and cuBLAS's first-call costs outside the
     capture), then the same call is captured (capture records, it does not run). A capture takes
-    about one eager step."""
+    about one eager step. Each graph has its own memory pool (torch 2.11 asserts when a shared
+    pool's graphs are all freed and the pool is captured into again)."""
 
-    def __init__(self, model, ids, pos, layers, scales, start, pool):
+    def __init__(self, model, ids, pos, layers, scales, start):
         self.ids, self.pos, self.start = ids.clone(), pos.clone(), start.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -198,7 +199,7 @@ class Captured:
             self.first = static_step(model, self.ids, self.pos, layers, scales, self.start)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):
             self.out = static_step(model, self.ids, self.pos, layers, scales, self.start)
 
     def __call__(self, ids, pos, start):
@@ -235,7 +236,6 @@ class FastSteps:
         self.per_head_calls = 0  # steps of a per-head layout served by the graph
         self.warmed: set = set()  # (prompt length, cache size, methods, settings) `runs.warm_up` prepared
         self.graphs: dict = {}  # CUDA: (signature, q, layers) -> Captured, most recently used last
-        self.graph_pool = None
         self.captures = 0
         self.capture_s = 0.0
 
@@ -247,9 +247,7 @@ class FastSteps:
         g = self.graphs.pop(key, None)
         if g is None:
             t0 = time.perf_counter()
-            if self.graph_pool is None:
-                self.graph_pool = torch.cuda.graph_pool_handle()
-            g = Captured(self.model, input_ids, position_ids, layers, scales, start, self.graph_pool)
+            g = Captured(self.model, input_ids, position_ids, layers, scales, start)
             self.captures += 1
             self.capture_s += time.perf_counter() - t0
             while len(self.graphs) >= self.max_graphs:  # the least recently used goes

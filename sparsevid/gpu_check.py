@@ -75,9 +75,8 @@ def run_part(name: str, cmd: list[str], timeout: int) -> dict:
 def embedded(names=("dense",) + LOSSLESS + LOSSY, max_new_tokens: int = 96) -> dict:
     """The embedded model, bf16 on CUDA, captured steps: each bundled example compared as the app
     does (`runs.compare`, 3 timing passes)."""
-    from .demo.config import EXAMPLES_DIR, load_examples
     from .fast import enable
-    from .models import load_model
+    from .models import ASSETS, load_model
     from .runs import compare
     from .video import load_video
 
@@ -86,9 +85,12 @@ def embedded(names=("dense",) + LOSSLESS + LOSSY, max_new_tokens: int = 96) -> d
     enable(loaded, "on")
     load_s = time.perf_counter() - t0
     rows, first = [], None
-    for e in load_examples(EXAMPLES_DIR):
+    folder = os.path.join(ASSETS, "examples")  # read here: `demo.config` would import the app's plotting
+    with open(os.path.join(folder, "examples.json")) as f:
+        examples = json.load(f)
+    for e in examples:
         tc = time.perf_counter()
-        vid = load_video(e["path"], int(e["frames"]))
+        vid = load_video(os.path.join(folder, e["file"]), int(e["frames"]))
         inputs = loaded.adapter.build_inputs(vid.frames, e["question"], vid.timestamps).to(loaded.device)
         traces, figs = compare(loaded, inputs, list(names), None, max_new_tokens, repeats=3)
         took = time.perf_counter() - tc

@@ -90,27 +90,29 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     return out.reshape(B, H, q, D).transpose(1, 2)
 
 
-def splits_for(capacity: int, rows: int, device: torch.device, block_n: int) -> tuple[int, int]:
-    """(number of splits, keys per split) of a buffer of `capacity` for `rows` (sequences x KV heads)
-    programs each: about four programs per multiprocessor, each at least 4 key blocks. Depends on
-    the capacity, never on the step's q."""
+def splits_for(capacity: int, rows: int, device: torch.device, unit: int) -> tuple[int, int]:
+    """(number of splits, keys per split, a multiple of `unit`) of a buffer of `capacity` for `rows`
+    (sequences x KV heads): about four programs per multiprocessor. Depends on the capacity, never
+    on the step's q."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     want = max(1, (4 * sms) // max(1, rows))
-    per = max(4 * block_n, math.ceil(capacity / want / block_n) * block_n)
+    per = max(unit, math.ceil(capacity / want / unit) * unit)
     return math.ceil(capacity / per), per
 
 
-def attend_triton(query, k, v, start, scale, bias=None):
-    """`attend` through the split-KV Triton kernel (see the module docstring)."""
+def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_warps: int | None = None,
+                  num_stages: int = 2):
+    """`attend` through the split-KV Triton kernel (see the module docstring); the tile size, warps
+    and stages are tunable (`bench --verify-kernels` times variants on CUDA)."""
     from ._triton_attention import combine, split_kv
 
     B, H, q, D = query.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = H // Hkv
-    block_n = 64 if D <= 64 else 32 if G * q > 64 else 64
     block_m = max(16, triton_next_pow2(G * q))
     block_d = max(16, triton_next_pow2(D))
-    splits, per = splits_for(N, B * Hkv, query.device, block_n)
+    num_warps = num_warps or (4 if block_m <= 32 else 8)
+    splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
     start = start.reshape(-1).expand(B).contiguous() if start.numel() == 1 else start.contiguous()
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
     l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
@@ -121,7 +123,7 @@ def attend_triton(query, k, v, start, scale, bias=None):
         *query.stride(), *k.stride(), *v.stride(), *bs,
         scale, Hkv, q, per, D,
         G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_BIAS=bias is not None,
-        IEEE=query.dtype == torch.float32, num_warps=4 if block_m <= 64 else 8, num_stages=2)
+        IEEE=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, q, H, D, dtype=query.dtype, device=query.device)
     combine[(B * Hkv, G * q)](o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(),
                               Hkv, q, D, splits, G=G, SPLITS=max(2, triton_next_pow2(splits)), BLOCK_D=block_d)

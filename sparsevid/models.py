@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -42,7 +42,7 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     fast: object = None  # `fast.FastSteps` when compiled steps are enabled (`fast.enable`)
-    pool: BufferPool = field(default_factory=BufferPool)  # KV buffers kept between runs (`cache.BufferPool`)
+    pool: BufferPool | None = None  # CUDA: KV buffers kept between runs (`cache.BufferPool`)
 
     @property
     def text_config(self):
@@ -104,4 +104,7 @@ def load_model(name_or_dir: str | None = None, device: str | None = None, dtype=
     attention.install(model)  # the pruning pre-hooks (inactive unless a run prunes its prefill)
     adapter = adapter_for(path, config, tokenizer)
     revision = getattr(config, "_commit_hash", None) or "local"
-    return Loaded(model, tokenizer, adapter, name_or_dir or EMBEDDED_NAME, revision, dev, dt)
+    # CUDA: buffers kept between runs, so captured graphs replay across runs; the CPU's compiled steps
+    # need no fixed addresses, and fresh buffers keep its resident-memory figures per run
+    pool = BufferPool() if dev.type == "cuda" else None
+    return Loaded(model, tokenizer, adapter, name_or_dir or EMBEDDED_NAME, revision, dev, dt, pool=pool)

@@ -127,7 +127,7 @@ def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monke
 def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     from sparsevid import cli
 
-    assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2"]) == 0
+    assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2", "--device", "cpu"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 4 and {r[3] for r in rows} == {"sdpa"}  # the CPU's backend; 1 and γ + 1 rows, 2 batches
     assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # exact attention
