@@ -330,7 +330,7 @@ def time_calls(fn, dev: torch.device, calls: int = 20, repeats: int = 5) -> floa
     return statistics.median(out)
 
 
-TRITON_VARIANTS = ((32, 8, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))
+TRITON_VARIANTS = ((32, 8, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))
 
 
 @torch.inference_mode()
