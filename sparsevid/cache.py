@@ -155,7 +155,7 @@ def grouped_sdpa(query, key, value, scale, bias=None):
     if mask is not None:
         mask = mask.reshape(1, Hkv, G * q, n)
     out = F.scaled_dot_product_attention(query.reshape(1, Hkv, G * q, D), key, value, attn_mask=mask, scale=scale)
-    return out.view(1, H, q, D).transpose(1, 2)
+    return out.reshape(1, H, q, D).transpose(1, 2)  # SDPA's CUDA output need not be contiguous here
 
 
 class _Block:

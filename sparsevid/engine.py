@@ -12,6 +12,7 @@ run, so a run never writes on the loaded model. Each run returns a plain `traces
 from __future__ import annotations
 
 import ctypes
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -321,20 +322,47 @@ class LayerSkipDraft:
 
 
 class GammaPlan:
-    """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step, the
-    fastest of `warm` γ = 0 rounds first), t_draft (a draft step), t_row (each extra token of a verification pass)
-    and the acceptance α so far; `metrics.best_gamma` picks the γ with the most expected tokens per
-    second, 0 (a plain dense step) when speculation cannot beat dense by 5 %. The draft is first tried on
-    `probe` tokens, and again after `reprobe` dense steps in a row, in case acceptance has changed.
-    Lossless whatever it picks."""
+    """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step), t_draft
+    (a draft step), t_row (each extra token of a verification pass), each the median of its last
+    `window` readings (one slow reading on a noisy machine moves a median little; the first dense
+    step after prefill runs cold and is not kept), and the per-position
+    acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with the most
+    expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by 5 %.
+    The draft is first tried on `probe` tokens, and again after `reprobe` dense steps in a row, in
+    case acceptance has changed. Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
-                 warm: int = 2):
+                 warm: int = 2, window: int = 9):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
-        self.warm = warm  # dense steps measured first (the fastest counts: the first after prefill runs cold)
-        self.t_dense = self.t_draft = self.t_row = None
-        self.accepted = self.proposed = self.dense_run = self.dense_steps = 0
+        self.warm = warm  # dense steps measured before the first probe
+        self.window = window
+        self.dense_s: list[float] = []  # recent readings, newest last
+        self.draft_s: list[float] = []
+        self.row_s: list[float] = []
+        self.accepted = self.tested = self.dense_run = self.dense_steps = 0
+
+    def _median(self, xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    @property
+    def t_dense(self) -> float | None:
+        return self._median(self.dense_s)
+
+    @property
+    def t_draft(self) -> float | None:
+        return self._median(self.draft_s)
+
+    @property
+    def t_row(self) -> float | None:
+        return self._median(self.row_s)
+
+    @property
+    def alpha(self) -> float:
+        """Per-position acceptance: accepted / positions tested (a round tests its accepted tokens and
+        the first rejected one; tokens drafted after a rejection were never tested), with one
+        accepted pseudo-position so that an untested draft starts at 1."""
+        return (self.accepted + 1) / (self.tested + 1)
 
     def choose(self, room: int) -> tuple[int, str]:
         """(γ, why) for a round that may still commit `room` draft tokens besides the bonus."""
@@ -347,22 +375,24 @@ class GammaPlan:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.reprobe:
             return min(self.probe, g_max), "probe"
-        alpha = (self.accepted + 1) / (self.proposed + 1)
-        return best_gamma(alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0), "best"
+        return best_gamma(self.alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0), "best"
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int) -> None:
-        ema = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
+        def keep(xs: list[float], x: float) -> None:
+            xs.append(x)
+            del xs[:-self.window]
+
         self.dense_run = self.dense_run + 1 if drafted == 0 else 0
         if drafted == 0:
             self.dense_steps += 1
-            self.t_dense = (verify_s if self.t_dense is None else min(self.t_dense, verify_s)
-                            if self.dense_steps <= self.warm else ema(self.t_dense, verify_s))
+            if self.dense_steps > 1 or self.warm < 2:  # the first dense step after prefill runs cold
+                keep(self.dense_s, verify_s)
             return
-        self.t_draft = ema(self.t_draft, draft_s / drafted)
+        keep(self.draft_s, draft_s / drafted)
         if self.t_dense is not None:
-            self.t_row = ema(self.t_row, max(0.0, verify_s - self.t_dense) / drafted)
+            keep(self.row_s, max(0.0, verify_s - self.t_dense) / drafted)
         self.accepted += accepted
-        self.proposed += drafted
+        self.tested += accepted + (accepted < drafted)
 
 
 @torch.inference_mode()

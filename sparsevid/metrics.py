@@ -65,6 +65,14 @@ def acceptance(t: Trace) -> float | None:
     return sum(r.accepted for r in t.rounds) / proposed if proposed else None
 
 
+def position_acceptance(t: Trace) -> float | None:
+    """Per-position acceptance α: accepted / positions tested. A round tests its accepted tokens and
+    the first rejected one; the tokens drafted after it were never tested (accepted / proposed
+    counts them as rejected: at a true 0.8 with γ = 9 it reads about 0.39). Ω(α, γ) takes this α."""
+    tested = sum(r.accepted + (r.accepted < len(r.proposed)) for r in t.rounds)
+    return sum(r.accepted for r in t.rounds) / tested if tested else None
+
+
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     """Ω = (1 - α^(γ+1)) / (1 - α): expected tokens per round at acceptance α (γ + 1 at α = 1)."""
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -119,12 +127,13 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
         costs = step_costs(t, dense)
         if costs is not None and t.gamma:
             step_ms = 1e3 * statistics.median(dense.step_s)
+            pa = position_acceptance(t) or 0.0  # Ω's α
             d.update(dense_step_ms=step_ms, draft_step_ms=costs[0] * step_ms, verify_ms=costs[1] * step_ms,
-                     draft_step_cost=costs[0], verify_cost=costs[1],
-                     bound_speedup=speculative_bound(a or 0.0, t.gamma, *costs),
+                     draft_step_cost=costs[0], verify_cost=costs[1], position_acceptance=pa,
+                     bound_speedup=speculative_bound(pa, t.gamma, *costs),
                      bound_speedup_full_acceptance=speculative_bound(1.0, t.gamma, *costs))
             if any(r.why != "fixed" for r in t.rounds):  # adaptive γ: the best γ up to gamma, or dense steps (1x)
-                for key, alpha in (("bound_speedup", a or 0.0), ("bound_speedup_full_acceptance", 1.0)):
+                for key, alpha in (("bound_speedup", pa), ("bound_speedup_full_acceptance", 1.0)):
                     d[key] = max([1.0] + [speculative_bound(alpha, g, *costs) for g in range(1, t.gamma + 1)])
             if d["speedup"] and d["bound_speedup"]:  # how much of what its own step costs allow it reached
                 d["bound_share"] = d["speedup"] / d["bound_speedup"]

@@ -229,6 +229,49 @@ def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     assert GammaPlan(9, adaptive=True, draft_is_dense=True).choose(40) == (0, "draft = dense")
 
 
+def test_gamma_plan_estimates_the_per_position_acceptance_of_a_simulated_draft():
+    """A draft whose every token is accepted with probability 0.8 (independently), drafting 9 per
+    round: the plan's α converges to 0.8 (accepted / positions tested), not to accepted / proposed
+    (~0.39: the tokens after a rejection are never tested), and so it keeps speculating."""
+    import random
+
+    from sparsevid.engine import GammaPlan
+    from sparsevid.metrics import best_gamma, expected_tokens_per_round
+
+    rng = random.Random(0)
+    plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    plan.observe(0, 0.0, 1.0, 0)
+    plan.observe(0, 0.0, 1.0, 0)
+    proposed = accepted = 0
+    for _ in range(400):
+        a = 0
+        while a < 9 and rng.random() < 0.8:
+            a += 1
+        plan.observe(9, 9 * 0.2, 1.0 + 9 * 0.02, a)
+        proposed, accepted = proposed + 9, accepted + a
+    assert abs(plan.alpha - 0.8) < 0.03
+    assert accepted / proposed < 0.45  # the old estimate, biased low
+    # the γ that is best at the true 0.8 (4: Ω = 3.4 tokens for 1.9 dense steps), not the biased one's
+    assert plan.choose(40) == (best_gamma(0.8, 9, 0.2, 1.0, 0.02), "best") == (4, "best")
+    assert best_gamma(accepted / proposed, 9, 0.2, 1.0, 0.02) < 4
+    assert expected_tokens_per_round(plan.alpha, 4) > 3
+
+
+def test_gamma_plan_costs_hold_against_one_slow_reading():
+    """On a noisy machine one slow draft step (2.7x the others) must not switch a run to dense steps:
+    the costs are medians of recent readings."""
+    from sparsevid.engine import GammaPlan
+
+    plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    for t in (3.0, 1.0, 1.0):  # the cold first dense step, then two dense steps
+        plan.observe(0, 0.0, t, 0)
+    assert plan.t_dense == 1.0
+    for draft in (0.3, 0.3, 0.81, 0.3):  # one reading 2.7x the others
+        plan.observe(9, 9 * draft, 1.1, 9)
+        assert plan.choose(40) == (9, "best"), draft
+    assert plan.t_draft == 0.3
+
+
 def test_adaptive_gamma_is_token_identical_and_never_runs_a_draft_that_keeps_everything(model_inputs):
     from sparsevid.engine import Sampling
     from sparsevid.runs import run_method
