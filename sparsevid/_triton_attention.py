@@ -1,6 +1,6 @@
 """The Triton kernels of `kernels.attend_triton` (imported only where Triton is installed).
 
-`split_kv`: program (b * Hkv + h, s) reads keys [s * per, min((s + 1) * per, start_b + q)) of KV
+`split_kv`: program (b * Hkv + h, s) reads keys [s * per, min((s + 1) * per, start_bh + q)) of KV
 head h of sequence b once, for the G * q rows of its query heads (row r = g * q + t: query head
 h * G + g, new token t); online softmax in float32; writes the split's normalised output
 o_part [B, Hkv, S, BLOCK_M, D] and its log-sum-exp l_part [B, Hkv, S, BLOCK_M] (-inf: nothing seen).
@@ -21,7 +21,7 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
     s = tl.program_id(1)
     b = bh // Hkv
     h = bh % Hkv
-    start = tl.load(Start + b)
+    start = tl.load(Start + bh)  # Start [B, Hkv], contiguous
     end = start + q_len  # entries 0 .. end - 1 exist for some row
     lo = s * per
     hi = tl.minimum(lo + per, end)

@@ -471,8 +471,8 @@ def mechanical(args) -> int:
             K = visual_budget(k, m_v, m_t)
             n_draft = K + m_t
             new = lambda n: torch.randn(B, Hkv, n + gamma + 8, D, device=dev, dtype=dtype)  # noqa: E731
-            dense = [[Block(new(m), new(m), None, None, None, 0)] for _ in range(layers)]
-            draft = [[Block(new(n_draft), new(n_draft), None, None, None, 0)] for _ in range(layers)]
+            dense = [Block(new(m), new(m)) for _ in range(layers)]
+            draft = [Block(new(n_draft), new(n_draft)) for _ in range(layers)]
 
             def timed(blocks, n, q):
                 """(eager s, graph s or None) of a step of q rows written at entry n of `blocks`."""

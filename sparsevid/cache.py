@@ -158,60 +158,18 @@ def grouped_sdpa(query, key, value, scale, bias=None):
     return out.reshape(1, H, q, D).transpose(1, 2)  # SDPA's CUDA output need not be contiguous here
 
 
-class _Block:
-    """KV heads `heads` of one layer that keep the same number K of prompt entries: buffers
-    `k, v [1, h_b, K + gen_capacity, D]`, prompt entries first, then generated tokens."""
-
-    def __init__(self, keys, values, keep: list, heads: list[int], qmask, gen_capacity: int, G: int,
-                 bufs: Buffers | None = None, name=()):
-        dev = keys.device
-        bufs = bufs or Buffers(None)
-        Hkv, D = keys.shape[1], keys.shape[3]
-        idx = torch.stack(keep).to(dev)  # [h_b, K]
-        K = idx.shape[1]
-        self.all_heads = heads == list(range(Hkv))  # the whole layer in order: no head indexing
-        self.kv = bufs.like(name + ("kv",), torch.tensor(heads, device=dev))
-        self.q = bufs.like(name + ("q",), (self.kv[:, None] * G + torch.arange(G, device=dev)).reshape(-1))
-        self.n_prompt = K
-        shape = (1, len(heads), K + gen_capacity, D)  # zeros: see `fast` (masked tail)
-        self.k = bufs.zeros(name + ("k",), shape, keys.dtype, dev)
-        self.v = bufs.zeros(name + ("v",), shape, values.dtype, dev)
-        gather = idx[..., None].expand(-1, -1, D)
-        self.k[0, :, :K] = keys[0, self.kv].gather(1, gather)
-        self.v[0, :, :K] = values[0, self.kv].gather(1, gather)
-        self.bias = None
-        if qmask is not None:  # [h_b, G, K + gen_capacity]: built once, generated part 0
-            allowed = qmask[self.kv].gather(2, idx[:, None, :].expand(-1, G, -1))
-            self.bias = bufs.zeros(name + ("bias",), (len(heads), G, K + gen_capacity), keys.dtype, dev)
-            self.bias[..., :K].masked_fill_(~allowed, float("-inf"))
-
-    def write(self, key, value, pos: int) -> None:
-        q = key.shape[2]
-        if not self.all_heads:
-            key, value = key[:, self.kv], value[:, self.kv]
-        self.k[:, :, pos:pos + q] = key
-        self.v[:, :, pos:pos + q] = value
-
-    def attend(self, query, scale: float, n: int):
-        """query [1, h_b * G, q, D] -> [1, q, h_b * G, D] over the first n entries."""
-        bias = None
-        if self.bias is not None:  # a view per step, no allocation
-            bias = self.bias[:, :, None, :n].expand(-1, -1, query.shape[2], -1)
-        return grouped_sdpa(query, self.k[:, :, :n], self.v[:, :, :n], scale, bias)
-
-
 class SparseKV:
-    """One layer's compact cache: kept prompt entries + generated tokens.
+    """One layer's compact cache: the kept prompt entries of every KV head + generated tokens, in one
+    buffer, so a step attends the whole layer in one call whatever the selection.
 
-    KV heads that keep the same number of prompt entries share a block (`_Block`): one buffer per
-    block, prompt entries first, attended with one grouped SDPA call. With `per_head` (a policy's
-    `per_head_blocks`: HT-Sparse, SparseMM) every KV head is its own block with its own mask and
-    scale, so the layout a compiled step sees (`fast`) does not change with the selection (only a
-    selection that keeps every head whole and unmasked is one block, as dense). A layer whose heads all keep
-    the same count (StD's top-K, everything kept) is one block and one call; HT-Sparse's full and
-    sparse groups make two blocks; SparseMM's per-head budgets up to Hkv. Every block computes
-    only over its own entries, so a step's attention work is proportional to the entries kept, and
-    memory is the entries kept + Hkv * gen_capacity.
+    k, v [1, Hkv, K_max + gen_capacity, D]: KV head h's K_h kept prompt entries at [0, K_h), its
+    generated tokens right after them (K_h + i); `lens` [Hkv] = K_h. A step's row t of head h sees
+    entries 0 .. K_h + n_gen + t (`kernels.attend` with per-head write positions), so the attention
+    reads what each head kept, never the padding up to K_max. `bias` [Hkv, G, K_max + gen_capacity]:
+    -inf where a query head may not read a kept entry (HT-Sparse's query masks), else None;
+    `head_scale` [H]: a query head's output multiplier (0: dropped). StD's top-K, Streaming and a
+    selection that keeps everything have equal K_h and no mask: dense's arithmetic on fewer entries.
+    Memory held: Hkv (K_max + gen_capacity) entries; `nbytes` counts the entries kept.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
@@ -219,45 +177,52 @@ class SparseKV:
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
-        lens = sel.lengths
+        bufs = bufs or Buffers(None)
         self.selection = sel
-        self.head_scale = None if sel.head_scale is None else sel.head_scale.to(dev, keys.dtype)
-        qmask = None if sel.query_mask is None else sel.query_mask.to(dev).view(Hkv, G, m)
-        # per_head: the same layout whatever the selection (a block, a mask and a scale per KV head),
-        # except a selection that keeps every head whole, unmasked (one block: dense's arithmetic)
-        per_head = per_head and (qmask is not None or self.head_scale is not None or len(set(lens)) > 1)
-        if per_head:
-            qmask = torch.ones(Hkv, G, m, dtype=torch.bool, device=dev) if qmask is None else qmask
-            if self.head_scale is None:
-                self.head_scale = torch.ones(num_heads, dtype=keys.dtype, device=dev)
-            groups = [[g] for g in range(Hkv)]
-        else:
-            groups = [[g for g in range(Hkv) if lens[g] == K] for K in sorted(set(lens), reverse=True)]
-        self.blocks = [_Block(keys, values, [sel.keep[g] for g in heads], heads, qmask, gen_capacity, G, bufs,
-                              ("sparse", layer, i)) for i, heads in enumerate(groups)]
-        if self.head_scale is not None and bufs is not None:
-            self.head_scale = bufs.like(("scale", layer), self.head_scale)
+        lens = sel.lengths
+        K = max(lens)
+        self.n_prompt = K  # K_max
+        self.lens = bufs.like(("sparse", layer, "lens"), torch.tensor(lens, device=dev))
+        shape = (1, Hkv, K + gen_capacity, D)  # zeros: see `fast` (the unfilled tail is never read)
+        self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
+        self.v = bufs.zeros(("sparse", layer, "v"), shape, values.dtype, dev)
+        for h, idx in enumerate(sel.keep):
+            idx = idx.to(dev)
+            self.k[0, h, :len(idx)] = keys[0, h].index_select(0, idx)
+            self.v[0, h, :len(idx)] = values[0, h].index_select(0, idx)
+        self.bias = None
+        if sel.query_mask is not None:  # built once; generated entries 0
+            qmask = sel.query_mask.to(dev).view(Hkv, G, m)
+            self.bias = bufs.zeros(("sparse", layer, "bias"), (Hkv, G, K + gen_capacity), keys.dtype, dev)
+            for h, idx in enumerate(sel.keep):
+                self.bias[h, :, :len(idx)].masked_fill_(~qmask[h][:, idx.to(dev)], float("-inf"))
+        self.head_scale = None
+        if sel.head_scale is not None:
+            self.head_scale = bufs.like(("sparse", layer, "scale"), sel.head_scale.to(dev, keys.dtype))
 
     @property
     def uniform(self) -> bool:
-        """Every KV head keeps the same number of prompt entries: one block, one attention call."""
-        return len(self.blocks) == 1
+        """Every KV head keeps the same number of prompt entries (no padding in the buffer)."""
+        lens = self.selection.lengths
+        return min(lens) == max(lens)
+
+    def positions(self, gen_pos, q: int) -> torch.Tensor:
+        """[Hkv, q]: where each head stores q new tokens from generated-token index `gen_pos` (an int
+        or a tensor)."""
+        return self.lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
-        for b in self.blocks:
-            b.write(key, value, b.n_prompt + gen_pos)
+        idx = self.positions(gen_pos, key.shape[2])[None, :, :, None].expand_as(key)
+        self.k.scatter_(2, idx, key)
+        self.v.scatter_(2, idx, value)
 
     def attend(self, query: torch.Tensor, scale: float, n_gen: int) -> torch.Tensor:
         """query [1, H, q, D] (the newest q tokens; n_gen generated tokens stored, them included)
         -> [1, q, H, D]."""
-        if self.uniform:
-            b = self.blocks[0]
-            out = b.attend(query, scale, b.n_prompt + n_gen)
-        else:
-            out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-            for b in self.blocks:  # at most Hkv calls
-                out[:, :, b.q] = b.attend(query[:, b.q], scale, b.n_prompt + n_gen)
+        from .kernels import attend
+
+        out = attend(query, self.k, self.v, (self.lens + n_gen - query.shape[2])[None], scale, self.bias)
         if self.head_scale is not None:
             out = out * self.head_scale.view(1, 1, -1, 1)
         return out
@@ -267,8 +232,9 @@ class SparseKV:
         self.write(keys, values, gen_pos)
 
     def nbytes(self, n_gen: int) -> int:
-        return sum(b.k.shape[1] * b.k.shape[3] * b.k.element_size() * 2 * (b.n_prompt + n_gen)
-                   for b in self.blocks)
+        """KV bytes of the entries kept: sum over heads of K_h + n_gen."""
+        per_entry = self.k.shape[3] * self.k.element_size() * 2
+        return per_entry * (sum(self.selection.lengths) + self.k.shape[1] * n_gen)
 
 
 class LayerKV(CacheLayerMixin):

@@ -59,29 +59,27 @@ MODES = ("auto", "on", "off")
 
 @dataclass
 class Block:
-    """KV heads of one layer that share one buffer during a step (the whole dense layer, or one
-    `cache.SparseKV` block).
+    """One layer's buffers during a step: the dense layer, or its `cache.SparseKV`.
 
-    k, v: [1, h_b, capacity_b, D]; heads: LongTensor [h_b], the layer's KV heads it holds (None: all,
-    in order); query_heads: LongTensor [h_b * G], their query heads (None: all); bias: optional
-    additive [h_b, G, capacity_b] (a per-query-head mask); slot: its index in the step's write
-    positions (`StaticView.start`).
+    k, v: [B, Hkv, capacity, D]; bias: optional additive [Hkv, G, capacity] (a per-query-head mask);
+    slot, width: its write positions are `start[slot:slot + width]` of the step (`StaticView.start`):
+    one for every head (width 1: the dense layer) or one per KV head (width Hkv: a compact cache,
+    where head h's entries end at its own K_h).
     """
 
     k: torch.Tensor
     v: torch.Tensor
-    heads: torch.Tensor | None
-    query_heads: torch.Tensor | None
-    bias: torch.Tensor | None
-    slot: int
+    bias: torch.Tensor | None = None
+    slot: int = 0
+    width: int = 1
 
 
 @dataclass
 class StaticKV:
-    """What a decoder layer's `update` returns in a compiled step, as its 'key states': the layer's
-    blocks, its per-query-head output scale (optional [H]) and the step's write positions."""
+    """What a decoder layer's `update` returns in a static step, as its 'key states': the layer's
+    block, its per-query-head output scale (optional [H]) and the block's write positions [1, width]."""
 
-    blocks: list
+    block: Block
     head_scale: torch.Tensor | None
     start: torch.Tensor
 
@@ -89,25 +87,26 @@ class StaticKV:
 class StaticView:
     """The cache a decoder layer's attention sees during `static_step`.
 
-    layers: per layer, its `Block`s; head_scale: per layer, [H] or None; start: LongTensor
-    [number of blocks], where block `slot` writes this step's q tokens (entries start .. start + q - 1).
+    layers: per layer, its `Block`; head_scale: per layer, [H] or None; start: LongTensor [slots],
+    where each block writes this step's q tokens (head h of block b: entries s .. s + q - 1,
+    s = start[b.slot + h] for a block of width Hkv, start[b.slot] for width 1).
     """
 
     def __init__(self, layers: list, head_scale: list, start: torch.Tensor):
         self.layers, self.head_scale, self.start = layers, head_scale, start
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        """Write key/value [1, Hkv, q, D] into the layer's blocks; return (StaticKV, None)."""
-        rows = torch.arange(key.shape[2], device=key.device)
-        for b in self.layers[layer_idx]:
-            pos = self.start[b.slot] + rows
-            b.k.index_copy_(2, pos, key if b.heads is None else key.index_select(1, b.heads))
-            b.v.index_copy_(2, pos, value if b.heads is None else value.index_select(1, b.heads))
-        return StaticKV(self.layers[layer_idx], self.head_scale[layer_idx], self.start), None
+        """Write key/value [B, Hkv, q, D] into the layer's block; return (StaticKV, None)."""
+        b = self.layers[layer_idx]
+        start = self.start[b.slot:b.slot + b.width][None]  # [1, width]
+        idx = (start[..., None] + torch.arange(key.shape[2], device=key.device))[..., None].expand_as(key)
+        b.k.scatter_(2, idx, key)
+        b.v.scatter_(2, idx, value)
+        return StaticKV(b, self.head_scale[layer_idx], start), None
 
 
 def static_step(model, input_ids, position_ids, layers: list, head_scale: list, start: torch.Tensor):
-    """Logits [1, q, V] of q tokens through the first len(layers) decoder layers (all for a dense
+    """Logits [B, q, V] of q tokens through the first len(layers) decoder layers (all for a dense
     step) of `model`'s language model, writing their KV into the layers' blocks (see `StaticView`)."""
     lm = getattr(model.model, "language_model", model.model)  # a Video-LLM's text model, or a bare LM
     h = lm.embed_tokens(input_ids)
@@ -119,56 +118,45 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
 
 
 def static_attention(query, kv: StaticKV, scale):
-    """query [B, H, q, D] over each block's buffer [B, h_b, capacity_b, D] -> [B, q, H, D]. Row t of
-    block b sees its entries 0 .. start_b + t (`kernels.attend`: lengths as tensors, no K/V repeat);
-    blocks hold disjoint query heads, together all of them."""
-    outs = []
-    for b in kv.blocks:
-        qb = query if b.query_heads is None else query.index_select(1, b.query_heads)
-        outs.append(kernels.attend(qb, b.k, b.v, kv.start[b.slot], scale, b.bias))
-    if len(outs) == 1 and kv.blocks[0].query_heads is None:
-        out = outs[0]
-    else:
-        out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        for b, o in zip(kv.blocks, outs):
-            out = out.index_copy(2, b.query_heads, o)
+    """query [B, H, q, D] over the layer's block [B, Hkv, capacity, D] -> [B, q, H, D], one call:
+    row t of head h sees entries 0 .. start_h + t (`kernels.attend`: lengths as tensors, no K/V
+    repeat), then the query heads' output scales."""
+    b = kv.block
+    out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias)
     if kv.head_scale is not None:
         out = out * kv.head_scale.view(1, 1, -1, 1)
     return out
 
 
 def buffers(cache, mode: str, num_layers: int | None = None):
-    """The step's layers as (blocks per layer, head_scale per layer, offsets [blocks], per_head) where
-    block `slot` writes at `offsets[slot] + cache length` and per_head says whether any layer has a
-    per-head layout (HT-Sparse, SparseMM); built once per cache, mode and layer count (the buffers
-    never move during a run). None when a layer has nothing to read."""
+    """The step's layers as (block per layer, head_scale per layer, offsets [slots], per_head): block
+    b's head h writes at `offsets[b.slot + h] + cache length` (a compact cache: K_h - prompt length;
+    the dense layer: 0), and per_head says whether any layer's heads keep different numbers of
+    entries or have masks or output scales (HT-Sparse, SparseMM). Built once per cache, mode and layer count (the buffers never move during a run).
+    None when a layer has nothing to read."""
     key = (mode, num_layers)
     if key in cache.static:
         return cache.static[key]
-    layers, scales, offsets = [], [], []
+    layers, scales, offsets, per_head = [], [], [], False
     for layer in cache.layers[:num_layers]:
-        blocks = []
         if mode == "dense" or layer.sparse is None:
             if not layer.is_initialized or (mode == "dense" and not cache.store_dense):
                 return None
-            blocks.append(Block(layer.keys, layer.values, None, None, None, len(offsets)))
+            layers.append(Block(layer.keys, layer.values, None, len(offsets), 1))
             offsets.append(0)
             scales.append(None)
         else:
             sp = layer.sparse
-            for b in sp.blocks:
-                blocks.append(Block(b.k, b.v, None if b.all_heads else b.kv, None if b.all_heads else b.q, b.bias,
-                                    len(offsets)))
-                offsets.append(b.n_prompt - cache.prompt_len)
+            lens = sp.selection.lengths
+            layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(lens)))
+            offsets += [n - cache.prompt_len for n in lens]
             scales.append(sp.head_scale)
-        layers.append(blocks)
-    device = layers[0][0].k.device
+            per_head |= not sp.uniform or sp.bias is not None or sp.head_scale is not None
+    device = layers[0].k.device
     if device.type != "cuda":  # CPU: one inductor graph for every capacity (CUDA: captured graphs, `Captured`)
-        for blocks in layers:
-            for b in blocks:
-                for t in (b.k, b.v) + (() if b.bias is None else (b.bias,)):
-                    torch._dynamo.mark_dynamic(t, 2)
-    per_head = any(b.query_heads is not None or b.bias is not None for blocks in layers for b in blocks)
+        for b in layers:
+            for t in (b.k, b.v) + (() if b.bias is None else (b.bias,)):
+                torch._dynamo.mark_dynamic(t, 2)
     cache.static[key] = out = (layers, scales, torch.tensor(offsets, device=device), per_head)
     return out
 
@@ -180,8 +168,7 @@ def signature(layers: list, scales: list) -> tuple:
     def sig(t):
         return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
 
-    return tuple((sig(b.k), sig(b.v), sig(b.heads), sig(b.query_heads), sig(b.bias), b.slot)
-                 for blocks in layers for b in blocks) + tuple(sig(s) for s in scales)
+    return tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width) for b in layers) + tuple(sig(s) for s in scales)
 
 
 class Captured:

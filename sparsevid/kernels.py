@@ -63,10 +63,12 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
            bias: torch.Tensor | None = None, which: str | None = None) -> torch.Tensor:
     """query [B, H, q, D] over k, v [B, Hkv, N, D] -> [B, q, H, D].
 
-    start: LongTensor, [] or [B]: where this step's q rows were written (row t sees entries
-    0 .. start + t); bias: optional additive [Hkv, G, N] (-inf: query head g of KV head h may not
-    read that entry), shared by the batch. H = Hkv * G."""
+    start: LongTensor broadcastable to [B, Hkv]: where this step's q rows were written, per sequence
+    and KV head (row t of head h sees entries 0 .. start[b, h] + t: a compact cache's heads keep
+    different numbers of entries); bias: optional additive [Hkv, G, N] (-inf: query head g of KV
+    head h may not read that entry), shared by the batch. H = Hkv * G."""
     which = which or backend(query.device)
+    start = per_sequence_and_head(start, query.shape[0], k.shape[1])
     if which == "triton":
         return attend_triton(query, k, v, start, scale, bias)
     return attend_sdpa(query, k, v, start, scale, bias)
@@ -79,9 +81,10 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     G = H // Hkv
     rows = torch.arange(q, device=query.device)
     cols = torch.arange(N, device=query.device)
-    ends = start.reshape(-1, 1, 1) + rows[:, None]  # [B or 1, q, 1]: the last entry row t sees
-    mask = torch.zeros(ends.shape[0], q, N, dtype=query.dtype, device=query.device)
-    mask = mask.masked_fill(cols > ends, float("-inf"))[:, None, None]  # [B or 1, 1, 1, q, N]
+    start = per_sequence_and_head(start, B, Hkv)
+    ends = start[..., None, None] + rows[:, None]  # [B, Hkv, q, 1]: the last entry row t sees
+    mask = torch.zeros(ends.shape[:3] + (N,), dtype=query.dtype, device=query.device)
+    mask = mask.masked_fill(cols > ends, float("-inf"))[:, :, None]  # [B, Hkv, 1, q, N]
     if bias is not None:
         mask = mask + bias[None, :, :, None, :].to(query.dtype)
     mask = mask.expand(-1, Hkv, G, q, N).reshape(mask.shape[0], Hkv, G * q, N)
@@ -118,7 +121,7 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     num_warps = num_warps or (4 if block_m <= 32 else 8)
     num_stages = num_stages or (2 if block_m <= 32 else 3)
     splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
-    start = start.reshape(-1).expand(B).contiguous() if start.numel() == 1 else start.contiguous()
+    start = per_sequence_and_head(start, B, Hkv)
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
     l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
     bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
@@ -135,6 +138,14 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     return out
 
 
+def per_sequence_and_head(start: torch.Tensor, B: int, Hkv: int) -> torch.Tensor:
+    """`start` ([] / [B, 1] / [1, Hkv] / [B, Hkv]; [B] as [B, 1]) as a contiguous [B, Hkv]."""
+    if start.dim() == 1 and start.numel() == B and B > 1:
+        start = start[:, None]
+    return start.reshape(start.shape[-2:] if start.dim() > 1 else (1, -1) if start.numel() == Hkv else (1, 1)) \
+        .expand(B, Hkv).contiguous()
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -145,11 +156,11 @@ def reference(query, k, v, start, scale, bias=None) -> torch.Tensor:
     Hkv = k.shape[1]
     G = H // Hkv
     out = torch.empty(B, q, H, D, dtype=torch.float64)
-    starts = start.reshape(-1).expand(B) if start.numel() == 1 else start.reshape(-1)
+    starts = per_sequence_and_head(start, B, Hkv)
     for b in range(B):
         for t in range(q):
-            n = int(starts[b]) + t + 1
             for h in range(H):
+                n = int(starts[b, h // G]) + t + 1
                 s = query[b, h, t].double() @ k[b, h // G, :n].double().T * scale
                 if bias is not None:
                     s = s + bias[h // G, h % G, :n].double()

@@ -17,6 +17,10 @@ os.environ.setdefault("SPARSEVID_TIMING_BUDGET_S", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton's kernels run through its interpreter on the CPU (tests/test_kernels.py);
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton.language is first imported, so set it here
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 

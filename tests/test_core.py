@@ -227,7 +227,7 @@ def test_cache_is_preallocated(arch, tiny_loaded, video_inputs):
         tok = int(engine.prefill(loaded, inputs, run).argmax())
         sp = [l.sparse for l in run.cache.layers]
         assert all(not l.is_initialized for l in run.cache.layers)  # the full KV is never held
-        bufs = lambda: [(b.k.data_ptr(), b.v.data_ptr()) for s in sp for b in s.blocks]  # noqa: E731
+        bufs = lambda: [(s.k.data_ptr(), s.v.data_ptr()) for s in sp]  # noqa: E731
         before = bufs()
         for _ in range(n):
             tok = int(engine.step(loaded, run, [tok])[-1].argmax())
