@@ -206,7 +206,7 @@ def _prefill_hook(run: Run, layer: int, query, key, value, scale):
     score_keys = getattr(policy, "score_keys", None)
     kept_key = score_keys(layer, key) if score_keys is not None else key  # the dense cache keeps `key`
     cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads,
-                                     per_head=getattr(policy, "per_head_blocks", False), bufs=cache.buffers,
+                                     bufs=cache.buffers,
                                      layer=layer))
     restricts = (sel.query_mask is not None or sel.head_scale is not None or kept_key is not key
                  or any(n < m for n in sel.lengths))

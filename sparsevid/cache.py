@@ -124,6 +124,18 @@ class LayerSelection:
         return [int(k.numel()) for k in self.keep]
 
 
+def write_at(buf: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+    """buf [B, Hkv, capacity, D][:, h, pos[h, t]] = x[:, h, t] for pos [Hkv or 1, q], x [B, Hkv, q, D]:
+    one `index_copy_` (over the heads' flattened entries where they differ). (`scatter_` did the same and, compiled by
+    inductor on the CPU, copied the whole buffer: 2.7 ms of a 5.4 ms step at 4,608 visual tokens.)"""
+    B, Hkv, cap, D = buf.shape
+    if pos.shape[0] == 1:  # every head at the same positions
+        buf.index_copy_(2, pos[0], x)
+        return
+    flat = (torch.arange(Hkv, device=buf.device)[:, None] * cap + pos).reshape(-1)
+    buf.view(B, Hkv * cap, D).index_copy_(1, flat, x.reshape(B, -1, D))
+
+
 def causal_mask(rows: int, n: int, device) -> torch.Tensor:
     """bool [rows, n]: row t (the t-th of the last `rows` positions) sees keys j <= n - rows + t."""
     return torch.arange(n, device=device)[None, :] <= torch.arange(n - rows, n, device=device)[:, None]
@@ -173,7 +185,7 @@ class SparseKV:
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
-                 num_heads: int, per_head: bool = False, bufs: Buffers | None = None, layer: int = 0):
+                 num_heads: int, bufs: Buffers | None = None, layer: int = 0):
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
@@ -213,9 +225,9 @@ class SparseKV:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
-        idx = self.positions(gen_pos, key.shape[2])[None, :, :, None].expand_as(key)
-        self.k.scatter_(2, idx, key)
-        self.v.scatter_(2, idx, value)
+        pos = self.positions(gen_pos, key.shape[2])
+        write_at(self.k, pos, key)
+        write_at(self.v, pos, value)
 
     def attend(self, query: torch.Tensor, scale: float, n_gen: int) -> torch.Tensor:
         """query [1, H, q, D] (the newest q tokens; n_gen generated tokens stored, them included)

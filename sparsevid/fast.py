@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .cache import write_at
 from .errors import InputError
 
 MODES = ("auto", "on", "off")
@@ -98,11 +99,11 @@ class StaticView:
     def update(self, key, value, layer_idx, *args, **kwargs):
         """Write key/value [B, Hkv, q, D] into the layer's block; return (StaticKV, None)."""
         b = self.layers[layer_idx]
-        start = self.start[b.slot:b.slot + b.width][None]  # [1, width]
-        idx = (start[..., None] + torch.arange(key.shape[2], device=key.device))[..., None].expand_as(key)
-        b.k.scatter_(2, idx, key)
-        b.v.scatter_(2, idx, value)
-        return StaticKV(b, self.head_scale[layer_idx], start), None
+        start = self.start[b.slot:b.slot + b.width]  # [width]
+        pos = start[:, None] + torch.arange(key.shape[2], device=key.device)  # [width, q]
+        write_at(b.k, pos, key)
+        write_at(b.v, pos, value)
+        return StaticKV(b, self.head_scale[layer_idx], start[None]), None
 
 
 def static_step(model, input_ids, position_ids, layers: list, head_scale: list, start: torch.Tensor):
@@ -220,7 +221,7 @@ class FastSteps:
         self.compiled = None
         self.calls = 0  # steps served by the compiled graph
         self.prepared = False  # `runs.compile_steps` ran (compiled every step kind it was asked for)
-        # per-head layouts (HT-Sparse, SparseMM: a block per KV head) through the graph too; auto mode
+        # per-head layouts (HT-Sparse, SparseMM: ragged lengths, masks, scales) through the graph too; auto mode
         # turns it off where their compiled step measures slower than eager (on some CPUs it is)
         self.per_head = True
         self.per_head_calls = 0  # steps of a per-head layout served by the graph

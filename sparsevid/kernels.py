@@ -82,12 +82,12 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     rows = torch.arange(q, device=query.device)
     cols = torch.arange(N, device=query.device)
     start = per_sequence_and_head(start, B, Hkv)
-    ends = start[..., None, None] + rows[:, None]  # [B, Hkv, q, 1]: the last entry row t sees
+    ends = start[..., None, None] + rows[:, None]  # [B or 1, Hkv or 1, q, 1]: the last entry row t sees
     mask = torch.zeros(ends.shape[:3] + (N,), dtype=query.dtype, device=query.device)
-    mask = mask.masked_fill(cols > ends, float("-inf"))[:, :, None]  # [B, Hkv, 1, q, N]
+    mask = mask.masked_fill(cols > ends, float("-inf"))[:, :, None]  # [B or 1, Hkv or 1, 1, q, N]
     if bias is not None:
         mask = mask + bias[None, :, :, None, :].to(query.dtype)
-    mask = mask.expand(-1, Hkv, G, q, N).reshape(mask.shape[0], Hkv, G * q, N)
+    mask = mask.expand(-1, -1, G, q, N).reshape(mask.shape[0], mask.shape[1], G * q, N)  # rows g * q + t
     out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
     return out.reshape(B, H, q, D).transpose(1, 2)
@@ -121,7 +121,7 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     num_warps = num_warps or (4 if block_m <= 32 else 8)
     num_stages = num_stages or (2 if block_m <= 32 else 3)
     splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
-    start = per_sequence_and_head(start, B, Hkv)
+    start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
     l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
     bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
@@ -139,11 +139,13 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
 
 
 def per_sequence_and_head(start: torch.Tensor, B: int, Hkv: int) -> torch.Tensor:
-    """`start` ([] / [B, 1] / [1, Hkv] / [B, Hkv]; [B] as [B, 1]) as a contiguous [B, Hkv]."""
-    if start.dim() == 1 and start.numel() == B and B > 1:
-        start = start[:, None]
-    return start.reshape(start.shape[-2:] if start.dim() > 1 else (1, -1) if start.numel() == Hkv else (1, 1)) \
-        .expand(B, Hkv).contiguous()
+    """`start` ([] / [B] / [B, 1] / [1, Hkv] / [B, Hkv]; a 1-D [Hkv] only where B == 1) as 2-D
+    [B or 1, Hkv or 1], not expanded (the SDPA path builds one mask for heads that share it)."""
+    if start.dim() > 1:
+        return start.reshape(start.shape[-2:])
+    if start.numel() == 1:
+        return start.reshape(1, 1)
+    return start.reshape(-1, 1) if start.numel() == B and (B > 1 or Hkv == 1) else start.reshape(1, -1)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -156,7 +158,7 @@ def reference(query, k, v, start, scale, bias=None) -> torch.Tensor:
     Hkv = k.shape[1]
     G = H // Hkv
     out = torch.empty(B, q, H, D, dtype=torch.float64)
-    starts = per_sequence_and_head(start, B, Hkv)
+    starts = per_sequence_and_head(start, B, Hkv).expand(B, Hkv)
     for b in range(B):
         for t in range(q):
             for h in range(H):

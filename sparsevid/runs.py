@@ -129,7 +129,7 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
         fast.message = (f"compiled ({took:.0f} s): dense step {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms"
                         if fast.enabled else
                         f"eager: the compiled dense step measured {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms")
-        if fast.enabled:  # per-head layouts (a block per KV head): compiled only if faster too
+        if fast.enabled:  # per-head layouts (ragged lengths, masks, scales): compiled only if faster too
             for name in (n for n in names if n != "dense"):
                 before = fast.per_head_calls
                 compiled_run = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)

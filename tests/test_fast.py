@@ -51,7 +51,7 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
 
 
 def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eager_after):
-    """HT-Sparse's and SparseMM's per-head layouts (a block per KV head) through the graph, and eager
+    """HT-Sparse's and SparseMM's per-head layouts (ragged lengths, masks, scales) through the graph, and eager
     where `per_head` is off (auto mode turns it off where their compiled step measures slower)."""
     loaded = tiny_loaded("qwen2_vl")
     inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")

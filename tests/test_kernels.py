@@ -13,7 +13,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [
     (1, 4, 2, 1, 24, 100, [60]),  # the embedded model's heads, a decode step
     (2, 4, 2, 5, 24, 300, [[200], [37]]),  # two sequences of different lengths, a verification
-    (1, 1, 4, 3, 24, 70, [10]),  # one KV head (a per-head block)
+    (1, 1, 4, 3, 24, 70, [10]),  # one KV head
     (1, 4, 7, 10, 128, 700, [600]),  # the 7B heads, γ + 1 rows
     (3, 2, 2, 2, 32, 2600, [[0], [5], [2590]]),  # many splits; a row that sees one entry
     (1, 4, 2, 3, 24, 400, [[390, 17, 0, 201]]),  # per-head lengths (a compact cache's K_h differ)

@@ -172,7 +172,6 @@ class HTSparse:
     stats = ("relevance", "query_norms")
     window = 0
     route_prefill = True
-    per_head_blocks = True  # one compact block per KV head: the same layout whatever the partition (`fast`)
 
     def roles(self, pi: torch.Tensor, num_kv_heads: int = 1) -> torch.Tensor:
         """π [H] -> roles int8 [H] for this variant."""

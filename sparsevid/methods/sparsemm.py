@@ -114,7 +114,6 @@ class SparseMM:
     needs_head_scores = True
     stats = ("relevance", "window")
     route_prefill = False
-    per_head_blocks = True  # one compact block per KV head: the same layout whatever the budgets (`fast`)
 
     def budget_for(self, m: int) -> int:
         b = DEFAULT_BUDGET if self.budget is None else self.budget
