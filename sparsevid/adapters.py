@@ -142,6 +142,18 @@ class Adapter:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    # stands for the question while the chat text around it is built and tokenised (never in a question:
+    # `check_question` refuses NUL characters)
+    QUESTION = "\x00question\x00"
+
+    def prompt_ids(self, before: str, after: str, question: str) -> tuple[list[int], list[int]]:
+        """Token ids of the chat text before and after the video tokens, `after` holding QUESTION.
+        The question is tokenised as text only: a `<|im_end|>` or `<|video_pad|>` typed in it stays
+        characters, never a control token (the template's own special tokens are tokenised as such)."""
+        head, tail = after.split(self.QUESTION)
+        question_ids = self.tokenizer(question, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return self.encode(before), self.encode(head) + question_ids + self.encode(tail)
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
 
@@ -163,6 +175,8 @@ def check_question(question: str, max_chars: int = 1000) -> str:
     question = (question or "").strip()
     if not question:
         raise InputError("The question is empty: type a question about the video.")
+    if "\x00" in question:
+        raise InputError("The question holds a NUL character; type it as plain text.")
     if len(question) > max_chars:
         raise InputError(f"The question is {len(question)} characters long; the limit is {max_chars}.")
     return question
@@ -225,8 +239,7 @@ class Qwen2VLAdapter(Adapter):
         m = self.pre["merge_size"]
         rows, cols = h // m, w // m
         n_vis = t * rows * cols
-        before, after = self.prompt_parts(question)
-        pre_ids, post_ids = self.encode(before), self.encode(after)
+        pre_ids, post_ids = self.prompt_ids(*self.prompt_parts(self.QUESTION), question)
         ids = pre_ids + [self.video_token_id] * n_vis + post_ids
         input_ids = torch.tensor([ids])
         mm_types = torch.zeros_like(input_ids, dtype=torch.int32)
@@ -356,8 +369,7 @@ class LlavaOnevisionAdapter(Adapter):
         rows, cols = self.rows, self.cols
         per_frame = rows * cols
         n_vis = T * per_frame + 1  # + the image_newline after the last frame
-        before, after = self.prompt_parts(question)
-        pre_ids, post_ids = self.encode(before), self.encode(after)
+        pre_ids, post_ids = self.prompt_ids(*self.prompt_parts(self.QUESTION), question)
         ids = pre_ids + [self.video_token_id] * n_vis + post_ids
         input_ids = torch.tensor([ids])
         kwargs = dict(input_ids=input_ids, pixel_values_videos=pixel_values)

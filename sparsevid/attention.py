@@ -9,8 +9,8 @@ Inside `active(run)`, the language model's attention layers call `sparsevid_atte
   the prefill (HT-Sparse used directly) is applied to the layer's whole prefill attention
   (`routing.routed_attention`), which then runs after the selection instead of dense;
 - in sparse mode, attends over the compact cache only;
-- given a `fast.StaticKV` in place of key states (a compiled step, `fast.static_step`), attends
-  over its blocks (`fast.static_attention`) without reading the active run.
+- given a `fast.StaticKV` in place of key states (every decode step, `fast.static_step`), attends
+  over its block (`fast.static_attention`) without reading the active run.
 
 FastV-style pruning (a direct policy with `prune_after`, HT-Sparse's `ht_prune_after`): after that
 layer's selection, the visual rows it did not select leave the prompt. `install(model)` (called once

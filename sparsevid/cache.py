@@ -4,9 +4,14 @@
 is 1 throughout (one video, one question). Two logical lengths are tracked:
 
 - the **dense** cache: per layer `[1, Hkv, capacity, D]`, written in place (no `torch.cat` per step);
-- the **sparse** cache (`SparseKV`, one per layer whose policy selected): the kept prompt entries,
-  gathered once at prefill, plus room for generated tokens. Its memory is proportional to the
-  entries kept. A layer whose policy keeps everything has no compact copy: it uses the dense one.
+- the **sparse** cache (`SparseKV`, one per layer whose policy selected): the kept prompt entries
+  of every KV head in one buffer (head h's K_h entries first, then its generated tokens), gathered
+  once at prefill; attention reads what each head kept, in one call per layer. Its buffer holds
+  the largest head's K_max + room for generated tokens per head. A layer whose policy keeps
+  everything has no compact copy: it uses the dense one.
+
+On CUDA the buffers come from the model's `BufferPool`, so a run of the same shapes reuses the last
+run's buffers (and the CUDA graphs captured over them).
 
 `mode` says which one the current forward reads and writes. Lengths only move when the engine
 calls `advance` / `truncate`, so rollback after a rejected draft is a change of one integer.

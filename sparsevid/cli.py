@@ -89,7 +89,7 @@ def cmd_run(args) -> int:
     if args.json:
         out = dict(model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
                    compile=fast_state(loaded),
-                   video=dict(path=args.video, frames=len(video.frames), visual_tokens=inputs.m_v,
+                   video=dict(file=os.path.basename(args.video), frames=len(video.frames), visual_tokens=inputs.m_v,
                               prompt_tokens=inputs.m, duration=video.duration, timestamps=video.timestamps),
                    methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()})
         print(json.dumps(out))

@@ -10,6 +10,7 @@ at its next token (its `on_token` raises once the run's stop flag is set).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -122,25 +123,41 @@ def _check(video, question, n_frames, methods, settings, max_new_tokens):
     question = check_question(question, MAX_QUESTION_CHARS)
     names = parse_methods(["dense"] + list(methods or []))
     settings_from(settings)  # a bad setting is reported before any work
-    n_frames = int(n_frames or FRAMES["value"])
-    if not FRAMES["minimum"] <= n_frames <= FRAMES["maximum"]:
-        raise InputError(f"Frames must be between {FRAMES['minimum']} and {FRAMES['maximum']}.")
-    max_new_tokens = int(max_new_tokens or MAX_NEW_TOKENS["value"])
-    if not MAX_NEW_TOKENS["minimum"] <= max_new_tokens <= MAX_NEW_TOKENS["maximum"]:
-        raise InputError(f"Max new tokens must be between {MAX_NEW_TOKENS['minimum']} and "
-                         f"{MAX_NEW_TOKENS['maximum']}.")
+    n_frames = _whole("Frames", n_frames, FRAMES)
+    max_new_tokens = _whole("Max new tokens", max_new_tokens, MAX_NEW_TOKENS)
     return question, names, n_frames, max_new_tokens
+
+
+def _whole(label: str, value, spec: dict) -> int:
+    """A slider's value as the slider allows it: a whole number within its range, on its steps
+    (None or empty: its default); anything else is refused with a message, never rounded."""
+    if value is None or value == "":
+        return int(spec["value"])
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{label} must be a number, not {str(value)[:40]!r}.") from None
+    if not number.is_integer():
+        raise InputError(f"{label} must be a whole number, not {number:g}.")
+    number = int(number)
+    if not spec["minimum"] <= number <= spec["maximum"]:
+        raise InputError(f"{label} must be between {spec['minimum']} and {spec['maximum']}, not {number}.")
+    step = spec.get("step", 1)
+    if (number - spec["minimum"]) % step:
+        raise InputError(f"{label} must be a multiple of {step} (the slider's step), not {number}.")
+    return number
 
 
 def result_json(loaded, video: str, vid, inputs, traces: dict, figs: dict) -> dict:
     """The comparison as plain data, the same JSON as `python -m sparsevid run --json`: model,
     revision, device, dtype, compile (the decode steps: compiled or eager, `fast.state`), video
-    {path, frames, visual_tokens, prompt_tokens, duration, timestamps} and methods
-    {name: trace.to_json() + its figures}."""
+    {file, frames, visual_tokens, prompt_tokens, duration, timestamps} and methods
+    {name: trace.to_json() + its figures}. `file` is the clip's file name only: no server path, and
+    no "path" key (gradio_client downloads any dict with one as a file, losing the block)."""
     return to_plain(dict(
         model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
         compile=steps_state(loaded),
-        video=dict(path=video, frames=len(vid.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m,
+        video=dict(file=os.path.basename(video), frames=len(vid.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m,
                    duration=vid.duration, timestamps=vid.timestamps),
         methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()}))
 
