@@ -30,7 +30,7 @@ METHOD_NAMES = list(METHODS)  # one answer card per registered method, dense fir
 FIELDS = demo.setting_fields()
 EXAMPLES = demo.load_examples()
 run_comparison = demo.gpu(demo.run_comparison)  # ZeroGPU on Spaces, unchanged elsewhere
-compare_json = demo.gpu(demo.compare_json)
+compare_stream = demo.gpu(demo.compare_stream)
 
 def named(fn, names: list[str]):
     """`fn(*args)` with the signature `names` + (request: gr.Request, progress=gr.Progress()): Gradio
@@ -103,16 +103,18 @@ COMPARE_NAMES = ["video", "question", "methods", "frames", "max_new_tokens", "mo
 
 
 def compare(*args):
-    """The comparison as plain data: the same JSON as `python -m sparsevid run --json`."""
+    """The comparison as plain data: the same JSON as `python -m sparsevid run --json`. A generator
+    that yields no change while the run goes, so that a client that cancels or disconnects stops it."""
     n = len(COMPARE_NAMES) + len(FIELDS)
     video, question, methods, frames, max_new_tokens, model = args[:len(COMPARE_NAMES)]
     settings = dict(zip(SETTING_NAMES, args[len(COMPARE_NAMES):n]))
     request = args[n] if len(args) > n else None
     try:
-        return compare_json(video, question, model, frames, methods, settings, max_new_tokens,
-                            session=getattr(request, "session_hash", None))
-    except SparsevidError as e:
-        raise gr.Error(str(e)) from None
+        for out in compare_stream(video, question, model, frames, methods, settings, max_new_tokens,
+                                  session=getattr(request, "session_hash", None)):
+            yield gr.skip() if out is None else out
+    except SparsevidError as e:  # an expected error: one line in the log (the worker's), no traceback
+        raise gr.Error(str(e), print_exception=False) from None
 
 
 named(compare, COMPARE_NAMES + SETTING_NAMES)
@@ -242,7 +244,11 @@ with gr.Blocks(title="sparsevid") as app:
     plots = [plot_tokens, plot_partition, plot_scores, plot_drafts, plot_speed, plot_costs, plot_whatif]
     run_outputs = [progress_box, status, *card_cols, *cards, *plots, view, inspect_method, layer, head, draft,
                    costs_text, gamma, acceptance]
-    gpu_queue = dict(concurrency_limit=1, concurrency_id="gpu", show_progress_on=progress_box)
+    # Runs wait for the model on the worker's run lock, not in Gradio's queue, so that a request that
+    # fails validation (frames=0, no video) answers at once while another run goes; on ZeroGPU a
+    # waiting request would hold a GPU, so there one at a time
+    in_flight = 1 if demo.backend.ZERO_GPU else 4
+    gpu_queue = dict(concurrency_limit=in_flight, concurrency_id="gpu", show_progress_on=progress_box)
     buttons = [run_btn, stop_btn]
     runs = []
     for i, trigger in enumerate([run_btn.click, question.submit]
@@ -255,7 +261,7 @@ with gr.Blocks(title="sparsevid") as app:
         runs.append(ev)
     stop_btn.click(stop, None, buttons, cancels=runs, queue=False, api_name="stop")
     compare_btn.click(compare, [video, question, methods, frames, max_new_tokens, model, *widgets], compare_out,
-                      api_name="compare", concurrency_limit=1, concurrency_id="gpu")
+                      api_name="compare", concurrency_limit=in_flight, concurrency_id="gpu")
     forms.input(lambda q: q, forms, question, queue=False, api_visibility="private")
     question.change(scope_hint, [question, model], note, queue=False, api_visibility="private")
     model.change(scope_hint, [question, model], note, queue=False, api_visibility="private")

@@ -12,6 +12,7 @@ import os
 import re
 import statistics
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -628,3 +629,59 @@ def test_compare_endpoint_readme_snippet_matches_run_json(app, capsys):
         assert api["methods"][n]["token_ids"] == m["token_ids"], n
         assert set(api["methods"][n]) == set(m), n
     assert capsys.readouterr().out.count("\n") >= 3
+
+
+def test_an_abandoned_run_frees_the_worker_and_cheap_errors_do_not_queue(app, clip):
+    """Issue 42: a client that cancels its /compare (no /stop) stops its run at the next token, so the
+    next user's first token comes in seconds; a request that fails validation answers at once while
+    a run goes."""
+    from gradio_client import Client, handle_file
+
+    bundled = {e["file"]: e for e in demo.load_examples(app["examples"])}
+    long = bundled.get("toy_long_narrate.mp4") or next(iter(bundled.values()))
+    every = [n for n in METHODS if n != "dense"]
+    first = Client(app["url"], verbose=False)
+    job = first.submit(video=handle_file(long["path"]), question=long["question"], methods=every,
+                       frames=int(long.get("frames") or 16), max_new_tokens=96, api_name="/compare")
+    deadline = time.monotonic() + 60
+    while job.status().code.name != "ITERATING" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2)  # the run is going
+    other = Client(app["url"], verbose=False)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="Frames must be between|less than minimum value"):  # ours or Gradio's
+        other.predict(video=handle_file(clip), question=Q, frames=0, api_name="/compare")
+    assert time.monotonic() - t0 < 2.0, "a validation error waited behind a run"
+    job.cancel()
+    t0 = time.monotonic()
+    second = other.submit(*_args(clip, Q, app["model"], []), api_name="/run")
+    first_token = None
+    while not second.done() and time.monotonic() - t0 < 60:
+        outs = second.outputs()
+        if first_token is None and outs and any(isinstance(o, str) and "decoding" in o for o in outs[-1]):
+            first_token = time.monotonic() - t0
+        time.sleep(0.05)
+    done = time.monotonic() - t0
+    assert second.outputs() and "full comparison in" in second.outputs()[-1][1], second.outputs()[-1][1]
+    assert done < 10, f"the next run finished {done:.1f} s after the cancel: the abandoned run kept the worker"
+    assert first_token is None or first_token < 5
+    assert "run cancelled" in _appserver.log_tail(100_000)
+
+
+def test_expected_errors_log_one_line(app):
+    """Issue 42: a refused request (a file that is no video, an empty question) logs one line, no traceback."""
+    from gradio_client import Client, handle_file
+
+    fake = os.path.join(app["tmp"], "notes-for-the-log.mp4")
+    with open(fake, "w") as f:
+        f.write("not a video\n" * 10)
+    before = _appserver.log_tail(10_000_000)
+    client = Client(app["url"], verbose=False)
+    for kw in (dict(video=handle_file(fake), question=Q), dict(video=handle_file(fake), question="   ")):
+        with pytest.raises(Exception):
+            client.predict(**kw, frames=FRAMES, api_name="/compare")
+    time.sleep(0.5)
+    new = _appserver.log_tail(10_000_000)[len(before):]
+    refused = [line for line in new.splitlines() if "refused:" in line]
+    assert len(refused) == 2 and "notes-for-the-log.mp4" in refused[0] and "question is empty" in refused[1], new
+    assert "Traceback" not in new, new

@@ -17,9 +17,9 @@ from .panels import PANEL_HELP, PANEL_KEYS, View, all_panels, build_view, costs_
     empty_panels, panel_costs, panel_drafts, panel_partition, panel_scores, panel_speed, panel_tokens, panel_whatif, \
     whatif_reference
 from .scope import question_forms, question_type, scope_note
-from .worker import Update, card, compare_json, request_stop, result_json, run_comparison
+from .worker import Update, card, compare_json, compare_stream, request_stop, result_json, run_comparison
 
-__all__ = ["PANEL_HELP", "compare_json", "costs_text", "panel_costs", "panel_whatif", "question_forms",
+__all__ = ["PANEL_HELP", "compare_json", "compare_stream", "costs_text", "panel_costs", "panel_whatif", "question_forms",
            "question_type", "request_stop", "result_json", "scope_note", "whatif_reference", "CSS", "FRAMES",
            "FRAMES_INFO", "INTRO", "MAX_MINUTES", "MAX_NEW_TOKENS", "MAX_QUESTION_CHARS", "MAX_UPLOAD_MB", "PANEL_KEYS",
            "PRESETS", "SCROLL_TO_ANSWERS",

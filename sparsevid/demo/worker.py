@@ -111,7 +111,8 @@ def token_text(loaded, tok: int) -> str:
 
 def _failure(e: BaseException, where: str) -> str:
     """A one-line message for the UI: a SparsevidError's own, else the exception logged with its traceback."""
-    if isinstance(e, SparsevidError):
+    if isinstance(e, SparsevidError):  # expected (bad input, unknown model): one line, no traceback
+        log.info("%s refused: %s", where, e)
         return str(e)
     log.error("%s failed", where, exc_info=e)
     return f"Unexpected error: {backend.one_line(e)}"
@@ -367,9 +368,22 @@ def compare_json(video: str | None, question: str, model: str | None, n_frames: 
                  settings: dict, max_new_tokens: int, session: str | None = None) -> dict:
     """`run_comparison` to its end, as plain data: `result_json`'s dict, plus `note` where the
     question is outside the model's scope. Raises InputError with the run's message when it fails."""
-    last = None
-    for last in run_comparison(video, question, model, n_frames, methods, settings, max_new_tokens, session=session):
+    out = None
+    for out in compare_stream(video, question, model, n_frames, methods, settings, max_new_tokens, session):
         pass
+    return out
+
+
+def compare_stream(video: str | None, question: str, model: str | None, n_frames: int, methods: list[str],
+                   settings: dict, max_new_tokens: int, session: str | None = None, every: float = 0.5):
+    """`compare_json` as a generator: None while the run goes (at most every `every` seconds), then
+    the result. The API's /compare serves it, so that a client that cancels or disconnects closes
+    it and the run stops at its next token (a plain function would run to its end, holding the model)."""
+    last, t = None, time.monotonic()
+    for last in run_comparison(video, question, model, n_frames, methods, settings, max_new_tokens, session=session):
+        if time.monotonic() - t >= every:
+            t = time.monotonic()
+            yield None
     if last is None or last.result is None:
         raise InputError(last.error if last is not None and last.error else "The run stopped before its end.")
-    return dict(last.result, note=last.note) if last.note else last.result
+    yield dict(last.result, note=last.note) if last.note else last.result
