@@ -685,3 +685,24 @@ def test_expected_errors_log_one_line(app):
     refused = [line for line in new.splitlines() if "refused:" in line]
     assert len(refused) == 2 and "notes-for-the-log.mp4" in refused[0] and "question is empty" in refused[1], new
     assert "Traceback" not in new, new
+
+
+def test_settings_beyond_the_model_or_clip_are_run_with_a_note(tiny_model_dir, tmp_path):
+    """Issue 42: what the run cannot do as asked is said with the answers (and in the API's note):
+    fewer frames in the clip than asked, a one-frame clip, LayerSkip's draft as deep as the model,
+    HT-Sparse's l_v beyond the visual tokens."""
+    model = tiny_model_dir("qwen2_vl")
+    short = _appserver.write_clip(str(tmp_path / "six.mp4"), n=6)
+    final = list(demo.run_comparison(short, Q, model, 8, ["layerskip", "htsparse"],
+                                     {"layerskip_layers": "999", "l_v": "999"}, 3))[-1]
+    assert final.error is None, final.error
+    assert "has 6 frames; 8 were asked" in final.note
+    assert "draft layers is the whole" in final.note and "keeps them all" in final.note
+    assert final.note in final.status
+    api = demo.compare_json(short, Q, model, 8, ["layerskip"], {"layerskip_layers": "999"}, 3)
+    assert "draft layers is the whole" in api["note"] and "has 6 frames" in api["note"]
+    one = _appserver.write_clip(str(tmp_path / "one.mp4"), n=1)
+    final = list(demo.run_comparison(one, Q, model, 8, [], {}, 3))[-1]
+    assert final.error is None and "A single frame" in final.note, (final.error, final.note)
+    plain = list(demo.run_comparison(short, Q, model, 6, ["layerskip"], {}, 3))[-1]
+    assert not plain.note  # nothing adjusted: no note

@@ -308,6 +308,8 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
                 elif kind == "ready":
                     loaded, inputs, run, skipped = payload
                     changed = True
+                    adjusted = adjustment_notes(loaded, inputs, n_frames, len(vid.frames), settings, run)
+                    note = " ".join(x for x in (note, adjusted) if x)
                     info = (f"**{len(vid.frames)} frames** ({vid.duration:.1f} s video) → {inputs.m_v} visual "
                             f"tokens, prompt {inputs.m} tokens · model `{loaded.name}` on {loaded.device.type} "
                             f"({str(loaded.dtype)[6:]}) · decode steps: {steps_state(loaded)}")
@@ -358,6 +360,26 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
     log.info("run: %d methods, first token %.2f s, total %.2f s", len(run), first_token_s or -1, total_s)
     yield Update(status=_prefix(note) + info + "<br>" + timing, cards=cards(), progress=(1.0, "done"), view=view,
                  figures=panels, traces=results, note=note, result=result)
+
+
+def adjustment_notes(loaded, inputs, asked_frames: int, got_frames: int, settings: dict, names: list[str]) -> str:
+    """What the run does other than what was asked, in words (shown with the answers, and in the
+    API's `note`): fewer frames than asked, a one-frame clip, a setting beyond this model or prompt."""
+    notes = []
+    if got_frames < asked_frames:
+        notes.append(f"The clip has {got_frames} frame{'s' if got_frames != 1 else ''}; {asked_frames} were asked: "
+                     "all of them are used.")
+    if got_frames < 2:
+        notes.append("A single frame: the model reads frames in pairs and was trained on clips of 16 frames or "
+                     "more, so its answer is unreliable.")
+    L = loaded.num_layers
+    if "layerskip" in names and (settings.get("layerskip_layers") or 0) >= L:
+        notes.append(f"LayerSkip: {settings['layerskip_layers']} draft layers is the whole {L}-layer model, so "
+                     "it runs plain dense steps.")
+    l_v = settings.get("l_v")
+    if any(n.startswith("htsparse") for n in names) and isinstance(l_v, int) and l_v >= inputs.m_v:
+        notes.append(f"HT-Sparse: l_v = {l_v} is not fewer than the {inputs.m_v} visual tokens: it keeps them all.")
+    return " ".join(notes)
 
 
 def _prefix(note: str) -> str:
