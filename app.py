@@ -275,4 +275,7 @@ with gr.Blocks(title="sparsevid") as app:
                  concurrency_limit=4)
 
 if __name__ == "__main__":
-    app.queue(default_concurrency_limit=1, max_size=32).launch(max_file_size=f"{demo.MAX_UPLOAD_MB}mb", css=demo.CSS)
+    # show_error: a value Gradio's own components refuse (a word where a number goes) reaches an API
+    # client as Gradio's message, not as "the app has raised an exception"
+    app.queue(default_concurrency_limit=1, max_size=32).launch(max_file_size=f"{demo.MAX_UPLOAD_MB}mb", css=demo.CSS,
+                                                               show_error=True)
