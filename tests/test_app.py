@@ -761,3 +761,33 @@ def test_fifty_malformed_requests_among_ten_good_ones_from_six_clients(app, clip
     # no traceback through this project's code (Gradio prints one for the values its own components
     # refuse: a number out of a slider's range, a choice not offered)
     assert not re.search(r'File ".*(sparsevid|app\.py)', _appserver.log_tail(10_000_000))
+
+
+def test_a_client_that_disconnects_frees_the_worker(app, clip):
+    """Issue 42: a client process killed in the middle of its /run (no cancel, no /stop): its run stops
+    and the next user's run starts at once."""
+    import subprocess
+    import sys
+
+    from gradio_client import Client
+
+    bundled = {e["file"]: e for e in demo.load_examples(app["examples"])}
+    long = bundled.get("toy_long_narrate.mp4") or next(iter(bundled.values()))
+    every = [n for n in METHODS if n != "dense"]
+    code = ("import sys, time\nfrom gradio_client import Client, handle_file\n"
+            f"c = Client({app['url']!r}, verbose=False)\n"
+            f"job = c.submit(handle_file({long['path']!r}), {long['question']!r}, {app['model']!r}, "
+            f"{int(long.get('frames') or 16)}, {every!r}, 96, api_name='/run')\n"
+            "while job.status().code.name != 'ITERATING':\n    time.sleep(0.1)\n"
+            "print('running', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        time.sleep(2)
+    finally:
+        proc.kill()
+        proc.wait()
+    t0 = time.monotonic()
+    out = Client(app["url"], verbose=False).predict(*_args(clip, Q, app["model"], []), api_name="/run")
+    assert "full comparison in" in out[1], out[1]
+    assert time.monotonic() - t0 < 10, "the disconnected client's run kept the worker"
