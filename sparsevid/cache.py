@@ -224,9 +224,10 @@ class SparseKV:
         return min(lens) == max(lens)
 
     def positions(self, gen_pos, q: int) -> torch.Tensor:
-        """[Hkv, q]: where each head stores q new tokens from generated-token index `gen_pos` (an int
-        or a tensor)."""
-        return self.lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
+        """[Hkv, q] (or [1, q] where every head keeps as many entries): where each head stores q new
+        tokens from generated-token index `gen_pos` (an int or a tensor)."""
+        lens = self.lens[:1] if self.uniform else self.lens
+        return lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""

@@ -269,6 +269,10 @@ class PolicyDraft:
         return self.pending
 
     def forward(self, loaded: Loaded, run: Run, tokens: list[int]) -> torch.Tensor:
+        cache = run.cache
+        if self.refresh and cache.sparse_len < cache.dense_len:  # catch up after dense rounds, in one copy
+            cache.refresh_sparse(cache.sparse_len, cache.dense_len)
+            cache.sparse_len = cache.dense_len
         return step(loaded, run, tokens, mode="sparse")
 
     def before_verify(self, run: Run) -> None:
@@ -279,8 +283,9 @@ class PolicyDraft:
         cache = run.cache
         committed_len = cache.dense_len
         if self.refresh:
-            cache.refresh_sparse(cache.sparse_len - n_draft_fed, committed_len)
-            cache.sparse_len = committed_len
+            if n_draft_fed:  # a round with no draft (γ = 0) leaves them behind: `forward` catches up
+                cache.refresh_sparse(cache.sparse_len - n_draft_fed, committed_len)
+                cache.sparse_len = committed_len
             self.pending = out[-1:]
         else:  # the draft keeps its own KV for the committed tokens it was fed
             cache.sparse_len = min(cache.sparse_len, committed_len)
@@ -329,11 +334,14 @@ class GammaPlan:
     acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with the most
     expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by 5 %.
     The draft is first tried on `probe` tokens, and again after `reprobe` dense steps in a row, in
-    case acceptance has changed. Lossless whatever it picks."""
+    case acceptance has changed; each time a probe ends in dense steps again the wait doubles (up
+    to `max_wait`), so a run whose draft cannot pay costs about what dense costs. Lossless whatever
+    it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
-                 warm: int = 2, window: int = 9):
+                 warm: int = 2, window: int = 9, max_wait: int = 256):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
+        self.wait, self.max_wait = reprobe, max_wait  # dense steps in a row before the next probe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
         self.warm = warm  # dense steps measured before the first probe
         self.window = window
@@ -373,9 +381,14 @@ class GammaPlan:
             return 0, "draft = dense"
         if self.dense_steps < self.warm:
             return 0, "dense step"
-        if self.t_draft is None or self.dense_run >= self.reprobe:
+        if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
-        return best_gamma(self.alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0), "best"
+        g = best_gamma(self.alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0)
+        if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay: wait longer next time
+            self.wait = min(2 * self.wait, self.max_wait)
+        elif g > 0:
+            self.wait = self.reprobe
+        return g, "best"
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int) -> None:
         def keep(xs: list[float], x: float) -> None:

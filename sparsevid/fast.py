@@ -148,7 +148,7 @@ def buffers(cache, mode: str, num_layers: int | None = None):
             scales.append(None)
         else:
             sp = layer.sparse
-            lens = sp.selection.lengths
+            lens = sp.selection.lengths[:1] if sp.uniform else sp.selection.lengths  # one position for all heads
             layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(lens)))
             offsets += [n - cache.prompt_len for n in lens]
             scales.append(sp.head_scale)

@@ -218,7 +218,12 @@ def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     assert plan.choose(40) == (0, "best")
     for _ in range(3):
         plan.observe(0, 0.0, 1.0, 0)
-    assert plan.choose(40) == (3, "probe")  # after `reprobe` dense steps it tries the draft again
+        assert plan.choose(40) == (0, "best")
+    for _ in range(3):  # a probe that did not pay doubles the wait: 2 x `reprobe` dense steps
+        plan.observe(0, 0.0, 1.0, 0)
+    assert plan.choose(40) == (3, "probe")  # then it tries the draft again
+    plan.observe(3, 3 * 1.0, 1.0 + 3 * 1.0, 3)
+    assert plan.choose(40) == (0, "best") and plan.wait == 12  # and waits twice as long again
     assert plan.choose(2)[0] <= 2  # never more than the room left
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
     cheap.observe(0, 0.0, 1.0, 0)
