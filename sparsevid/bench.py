@@ -439,10 +439,15 @@ def mechanical(args) -> int:
 
     Limit of a step = (weights + the KV entries it reads) / the copy bandwidth measured here. StD's
     round bound (every draft accepted) is (γ + 1) t_dense / (γ t_draft + t_verify) from the measured
-    step costs; its ideal is the same from the limits.
+    step costs; its ideal is the same from the limits. Also HT-Sparse's and SparseMM's decode steps
+    over their per-head layouts (`cache.SparseKV`): HT-Sparse's default partition by GQA group (a
+    quarter of the KV heads keep everything, the rest K + m_t entries, StD's budget: an assumption,
+    its real token count follows the relevance), SparseMM's budgets (0.7 of the prompt per head on
+    average) over random head scores; and on CUDA, at batch 1, a dense prefill.
     """
     from .fast import Block, Captured, static_step
     from .methods.base import visual_budget
+    from .methods.sparsemm import DEFAULT_BUDGET, budgets
     from .models import pick_device
 
     if args.shape not in SHAPES:
@@ -474,11 +479,22 @@ def mechanical(args) -> int:
             dense = [Block(new(m), new(m)) for _ in range(layers)]
             draft = [Block(new(n_draft), new(n_draft)) for _ in range(layers)]
 
-            def timed(blocks, n, q):
-                """(eager s, graph s or None) of a step of q rows written at entry n of `blocks`."""
+            def per_head(lens_by_layer):
+                """Compact blocks where KV head h of a layer keeps lens[h] entries (one buffer of the
+                layer's largest, written at each head's own length: `cache.SparseKV`'s layout) and
+                the step's write positions."""
+                blocks, starts = [], []
+                for lens in lens_by_layer:
+                    blocks.append(Block(new(max(lens)), new(max(lens)), None, len(starts), len(lens)))
+                    starts += list(lens)
+                return blocks, torch.tensor(starts, device=dev)
+
+            def timed(blocks, n, q, start=None):
+                """(eager s, graph s or None) of a step of q rows at position n, written at entry n of
+                `blocks` (or at `start`, per head)."""
                 ids = torch.randint(0, 100, (B, q), device=dev)
                 pos = torch.arange(n, n + q, device=dev).expand(B, q)
-                start = torch.full((1,), n, device=dev)
+                start = torch.full((1,), n, device=dev) if start is None else start
                 step = lambda: static_step(model, ids, pos, blocks, [None] * layers, start)  # noqa: E731
                 eager = time_calls(step, dev, calls=3, repeats=3)
                 if not graphs:
@@ -493,10 +509,28 @@ def mechanical(args) -> int:
             limits = dict(dense=(weights + kv(m + 1)) / bw, draft=(weights + kv(n_draft + 1)) / bw,
                           verify=(weights + kv(m + gamma + 1)) / bw)
             t = dict(dense=timed(dense, m, 1), draft=timed(draft, n_draft, 1), verify=timed(dense, m, gamma + 1))
+            del dense, draft
+            # the per-head layouts at the methods' default proportions (random KV, as above)
+            n_full = max(1, round(0.25 * Hkv))  # HT-Sparse: h_f = 0.25 of the heads keep all, by GQA group;
+            ht = [[m] * n_full + [n_draft] * (Hkv - n_full)] * layers  # the sparse ones K + m_t (as StD's)
+            caps = budgets(torch.rand(layers, Hkv, generator=torch.Generator().manual_seed(0)),
+                           round(DEFAULT_BUDGET * m), available=m).tolist()  # SparseMM: random head scores
+            layouts = dict(htsparse=ht, sparsemm=caps)
+            for name, lens in layouts.items():
+                blocks, starts = per_head(lens)
+                entries = sum(n + 1 for ls in lens for n in ls)
+                limits[name] = (weights + B * 2 * D * elem * entries) / bw
+                t[name] = timed(blocks, m, 1, starts)
+                del blocks
             best = {s: (g if g is not None else e) for s, (e, g) in t.items()}
             row = dict(shape=args.shape, layers=layers, batch=B, visual_tokens=m_v, prompt=m, k=K,
-                       steps="graph" if graphs else "eager")
-            for s in ("dense", "draft", "verify"):
+                       steps="graph" if graphs else "eager",
+                       **{f"{n}_kv_pct": 100 * sum(map(sum, ls)) / (layers * Hkv * m) for n, ls in layouts.items()})
+            if B == 1 and dev.type == "cuda":  # a dense prefill of the prompt (the first token's logits only;
+                ids = torch.randint(0, 100, (1, m), device=dev)  # on a CPU, 7B-wide layers take seconds)
+                row["prefill_ms"] = 1e3 * time_calls(lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False),
+                                                     dev, calls=1, repeats=3)
+            for s in ("dense", "draft", "verify", "htsparse", "sparsemm"):
                 row[f"{s}_eager_ms"] = t[s][0] * 1e3
                 row[f"{s}_ms"] = best[s] * 1e3
                 row[f"{s}_limit_ms"] = limits[s] * 1e3
@@ -507,7 +541,6 @@ def mechanical(args) -> int:
             row["ideal_round_bound"] = (gamma + 1) * limits["dense"] / (gamma * limits["draft"] + limits["verify"])
             row["bound_share"] = row["round_bound"] / row["ideal_round_bound"]
             rows.append(row)
-            del dense, draft
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     head = dict(device=str(dev) if dev.type != "cuda" else torch.cuda.get_device_name(dev), dtype=str(dtype)[6:],
@@ -519,10 +552,13 @@ def mechanical(args) -> int:
           f"copy bandwidth {bw / 1e12:.2f} TB/s), gamma={gamma}; ms (x its limit)")
     print(markdown_table(
         ["batch", "prompt", "K", "dense step", "draft step", f"verify ({gamma + 1} rows)", "verify/dense",
-         "StD round bound", "ideal", "share", "eager dense / draft / verify"],
+         "StD round bound", "ideal", "share", "HT-Sparse step (KV %)", "SparseMM step (KV %)", "prefill ms",
+         "eager dense / draft / verify"],
         [[str(r["batch"]), str(r["prompt"]), str(r["k"])]
          + [f"{r[s + '_ms']:.2f} ({r[s + '_vs_limit']:.2f}x)" for s in ("dense", "draft", "verify")]
          + [f"{r['verify_vs_dense']:.2f}", f"{r['round_bound']:.2f}x", f"{r['ideal_round_bound']:.2f}x",
-            f"{r['bound_share']:.0%}",
+            f"{r['bound_share']:.0%}"]
+         + [f"{r[s + '_ms']:.2f} ({r[s + '_vs_limit']:.2f}x, {r[s + '_kv_pct']:.0f} %)" for s in ("htsparse", "sparsemm")]
+         + [f"{r['prefill_ms']:.0f}" if "prefill_ms" in r else "-",
             " / ".join(f"{r[s + '_eager_ms']:.1f}" for s in ("dense", "draft", "verify"))] for r in rows]))
     return 0

@@ -10,8 +10,10 @@ others still run; the JSON is written after every part):
    and SDPA's mask-free flash kernel as the ceiling, batch 1 and 8, 16k-64k entries, 1 and γ + 1
    rows: ms, GB/s, error against float64 (`bench --verify-kernels`);
 3. `shapes`: the 28-layer 7B shape (random weights, bf16), batch 1 and 8, prompts 16k-64k: dense
-   step, draft step and verification, eager and captured, each against its limit, and StD's round
-   bound against the ideal one (`bench --shape`); `shapes-sdpa`: one row of it with SDPA attention;
+   step, draft step and verification, eager and captured, each against its limit, StD's round
+   bound against the ideal one, HT-Sparse's and SparseMM's per-head layouts at their default
+   proportions against the limit of what they read, and (batch 1) a dense prefill (`bench --shape`);
+   `shapes-sdpa`: one row of it with SDPA attention;
 4. `embedded`: the embedded model in bf16 on every bundled example, every method against dense as
    the app runs them (`runs.compare`, warm-up included): tokens identical for the lossless ones,
    decode speedups, steps served by graphs, and the first comparison's seconds from a cold model.

@@ -148,6 +148,10 @@ def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
     # each step against its limit (weights + KV read at the measured copy bandwidth), and StD's bound
     assert all(r["dense_vs_limit"] > 0.5 and r["dense_limit_ms"] > r["draft_limit_ms"] for r in rows)
     assert all(0 < r["round_bound"] and 1 <= r["ideal_round_bound"] for r in rows)
+    # HT-Sparse's and SparseMM's per-head layouts at their default proportions
+    assert all(r["htsparse_ms"] > 0 and r["sparsemm_ms"] > 0 and r["htsparse_limit_ms"] < r["dense_limit_ms"]
+               and 0 < r["sparsemm_kv_pct"] < 100 for r in rows)
+    assert not any("prefill_ms" in r for r in rows)  # timed on CUDA only (the GPU check)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
