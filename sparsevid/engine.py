@@ -5,8 +5,9 @@
 - `speculative_decode`: a draft (a policy's compact caches, or the first L_e layers) proposes γ
   tokens, dense verifies them in one pass (the StD paper): lossless.
 
-Every decode step goes through `adapters.text_step` with positions the adapter computed once per
-run, so a run never writes on the loaded model. Each run returns a plain `traces.Trace`.
+Every decode step goes through `step` (`fast.static_step` over the run's buffers: a captured CUDA
+graph, a compiled CPU graph, or eager) with positions the adapter computed once per run, so a run
+never writes on the loaded model. Each run returns a plain `traces.Trace`.
 """
 
 from __future__ import annotations
