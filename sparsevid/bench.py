@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from .engine import Sampling, sync as sync_device
@@ -341,7 +342,6 @@ def verify_kernels(args) -> int:
     the heads). Head shape: --shape's (default the embedded model's: Hkv 4, G 2, D 24).
     On CUDA also SDPA's flash kernel without any mask over exactly the entries read: the
     bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths)."""
-    import torch.nn.functional as F
 
     from . import kernels
     from .models import pick_device
@@ -401,6 +401,24 @@ def verify_kernels(args) -> int:
                            f"{r['gb_s']:.1f}", "-" if r["max_error"] is None else f"{r['max_error']:.1e}"]
                           for r in rows]))
     return 0
+
+
+def prefill_attention(m: int, m_v: int, K: int, n_full: int, H: int, Hkv: int, D: int, dev, dtype) -> dict:
+    """One layer's prefill attention over m prompt rows (32 text tokens, m_v visual, the rest text):
+    dense causal SDPA, and HT-Sparse's routed attention (`routing.routed_attention`) where n_full KV
+    groups read everything and the others the text and K random visual positions (ms)."""
+    from .routing import routed_attention
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    q, k, v = (torch.randn(1, h, m, D, generator=g, device=dev, dtype=dtype) for h in (H, Hkv, Hkv))
+    text = torch.cat([torch.arange(32), torch.arange(32 + m_v, m)])
+    visual = 32 + torch.randperm(m_v, generator=torch.Generator().manual_seed(2))[:K]
+    sparse = torch.cat([text, visual]).sort().values.to(dev)
+    keep = [torch.arange(m, device=dev)] * n_full + [sparse] * (Hkv - n_full)
+    dense = time_calls(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), dev,
+                       calls=1, repeats=3)
+    routed = time_calls(lambda: routed_attention(q, k, v, D ** -0.5, keep), dev, calls=1, repeats=3)
+    return dict(prefill_attention_ms=dense * 1e3, routed_attention_ms=routed * 1e3, routed_attention_vs_dense=routed / dense)
 
 
 def shape_model(name: str, dev: torch.device, dtype: torch.dtype, layers: int | None = None):
@@ -526,10 +544,15 @@ def mechanical(args) -> int:
             row = dict(shape=args.shape, layers=layers, batch=B, visual_tokens=m_v, prompt=m, k=K,
                        steps="graph" if graphs else "eager",
                        **{f"{n}_kv_pct": 100 * sum(map(sum, ls)) / (layers * Hkv * m) for n, ls in layouts.items()})
+            if B == 1:  # one layer's prefill attention: dense causal against HT-Sparse's routed (its partition above)
+                row.update(prefill_attention(m, m_v, K, n_full, H, Hkv, D, dev, dtype))
             if B == 1 and dev.type == "cuda":  # a dense prefill of the prompt (the first token's logits only;
                 ids = torch.randint(0, 100, (1, m), device=dev)  # on a CPU, 7B-wide layers take seconds)
                 row["prefill_ms"] = 1e3 * time_calls(lambda: model(input_ids=ids, logits_to_keep=1, use_cache=False),
                                                      dev, calls=1, repeats=3)
+                # HT-Sparse's routed prefill, estimated: dense's, less every layer's attention saving
+                row["routed_prefill_est_ms"] = row["prefill_ms"] - layers * (row["prefill_attention_ms"]
+                                                                              - row["routed_attention_ms"])
             for s in ("dense", "draft", "verify", "htsparse", "sparsemm"):
                 row[f"{s}_eager_ms"] = t[s][0] * 1e3
                 row[f"{s}_ms"] = best[s] * 1e3
@@ -552,13 +575,16 @@ def mechanical(args) -> int:
           f"copy bandwidth {bw / 1e12:.2f} TB/s), gamma={gamma}; ms (x its limit)")
     print(markdown_table(
         ["batch", "prompt", "K", "dense step", "draft step", f"verify ({gamma + 1} rows)", "verify/dense",
-         "StD round bound", "ideal", "share", "HT-Sparse step (KV %)", "SparseMM step (KV %)", "prefill ms",
+         "StD round bound", "ideal", "share", "HT-Sparse step (KV %)", "SparseMM step (KV %)",
+         "prefill attention: routed / dense (one layer)", "prefill ms: dense / routed (est.)",
          "eager dense / draft / verify"],
         [[str(r["batch"]), str(r["prompt"]), str(r["k"])]
          + [f"{r[s + '_ms']:.2f} ({r[s + '_vs_limit']:.2f}x)" for s in ("dense", "draft", "verify")]
          + [f"{r['verify_vs_dense']:.2f}", f"{r['round_bound']:.2f}x", f"{r['ideal_round_bound']:.2f}x",
             f"{r['bound_share']:.0%}"]
          + [f"{r[s + '_ms']:.2f} ({r[s + '_vs_limit']:.2f}x, {r[s + '_kv_pct']:.0f} %)" for s in ("htsparse", "sparsemm")]
-         + [f"{r['prefill_ms']:.0f}" if "prefill_ms" in r else "-",
+         + [f"{r['routed_attention_ms']:.2f} / {r['prefill_attention_ms']:.2f} ms ({r['routed_attention_vs_dense']:.0%})"
+            if "routed_attention_ms" in r else "-",
+            f"{r['prefill_ms']:.0f} / {r['routed_prefill_est_ms']:.0f}" if "prefill_ms" in r else "-",
             " / ".join(f"{r[s + '_eager_ms']:.1f}" for s in ("dense", "draft", "verify"))] for r in rows]))
     return 0

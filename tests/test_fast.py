@@ -152,6 +152,7 @@ def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
     assert all(r["htsparse_ms"] > 0 and r["sparsemm_ms"] > 0 and r["htsparse_limit_ms"] < r["dense_limit_ms"]
                and 0 < r["sparsemm_kv_pct"] < 100 for r in rows)
     assert not any("prefill_ms" in r for r in rows)  # timed on CUDA only (the GPU check)
+    assert all(r["routed_attention_ms"] > 0 and r["prefill_attention_ms"] > 0 for r in rows if r["batch"] == 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
