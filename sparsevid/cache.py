@@ -180,9 +180,10 @@ class SparseKV:
     buffer, so a step attends the whole layer in one call whatever the selection.
 
     k, v [1, Hkv, K_max + gen_capacity, D]: KV head h's K_h kept prompt entries at [0, K_h), its
-    generated tokens right after them (K_h + i); `lens` [Hkv] = K_h. A step's row t of head h sees
-    entries 0 .. K_h + n_gen + t (`kernels.attend` with per-head write positions), so the attention
-    reads what each head kept, never the padding up to K_max. `bias` [Hkv, G, K_max + gen_capacity]:
+    generated tokens right after them (K_h + i); `starts` = [K_h per head], or [K] where every head
+    keeps K (`uniform`: one write position for all heads), and `lens` the same as a tensor. A
+    step's row t of head h sees entries 0 .. K_h + n_gen + t (`kernels.attend` with per-head write
+    positions), so the attention reads what each head kept, never the padding up to K_max. `bias` [Hkv, G, K_max + gen_capacity]:
     -inf where a query head may not read a kept entry (HT-Sparse's query masks), else None;
     `head_scale` [H]: a query head's output multiplier (0: dropped). StD's top-K, Streaming and a
     selection that keeps everything have equal K_h and no mask: dense's arithmetic on fewer entries.
@@ -198,8 +199,9 @@ class SparseKV:
         self.selection = sel
         lens = sel.lengths
         K = max(lens)
-        self.n_prompt = K  # K_max
-        self.lens = bufs.like(("sparse", layer, "lens"), torch.tensor(lens, device=dev))
+        self.uniform = min(lens) == K  # every KV head keeps the same number of prompt entries (no padding)
+        self.starts = lens[:1] if self.uniform else lens
+        self.lens = bufs.like(("sparse", layer, "lens"), torch.tensor(self.starts, device=dev))
         shape = (1, Hkv, K + gen_capacity, D)  # zeros: see `fast` (the unfilled tail is never read)
         self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
         self.v = bufs.zeros(("sparse", layer, "v"), shape, values.dtype, dev)
@@ -217,17 +219,10 @@ class SparseKV:
         if sel.head_scale is not None:
             self.head_scale = bufs.like(("sparse", layer, "scale"), sel.head_scale.to(dev, keys.dtype))
 
-    @property
-    def uniform(self) -> bool:
-        """Every KV head keeps the same number of prompt entries (no padding in the buffer)."""
-        lens = self.selection.lengths
-        return min(lens) == max(lens)
-
     def positions(self, gen_pos, q: int) -> torch.Tensor:
         """[Hkv, q] (or [1, q] where every head keeps as many entries): where each head stores q new
         tokens from generated-token index `gen_pos` (an int or a tensor)."""
-        lens = self.lens[:1] if self.uniform else self.lens
-        return lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
+        return self.lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""

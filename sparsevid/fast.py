@@ -133,8 +133,8 @@ def buffers(cache, mode: str, num_layers: int | None = None):
     """The step's layers as (block per layer, head_scale per layer, offsets [slots], per_head): block
     b's head h writes at `offsets[b.slot + h] + cache length` (a compact cache: K_h - prompt length;
     the dense layer: 0), and per_head says whether any layer's heads keep different numbers of
-    entries or have masks or output scales (HT-Sparse, SparseMM). Built once per cache, mode and layer count (the buffers never move during a run).
-    None when a layer has nothing to read."""
+    entries or have masks or output scales (HT-Sparse, SparseMM). Built once per cache, mode and
+    layer count (the buffers never move during a run). None when a layer has nothing to read."""
     key = (mode, num_layers)
     if key in cache.static:
         return cache.static[key]
@@ -148,9 +148,8 @@ def buffers(cache, mode: str, num_layers: int | None = None):
             scales.append(None)
         else:
             sp = layer.sparse
-            lens = sp.selection.lengths[:1] if sp.uniform else sp.selection.lengths  # one position for all heads
-            layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(lens)))
-            offsets += [n - cache.prompt_len for n in lens]
+            layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(sp.starts)))
+            offsets += [n - cache.prompt_len for n in sp.starts]
             scales.append(sp.head_scale)
             per_head |= not sp.uniform or sp.bias is not None or sp.head_scale is not None
     device = layers[0].k.device

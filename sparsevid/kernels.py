@@ -68,7 +68,6 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     different numbers of entries); bias: optional additive [Hkv, G, N] (-inf: query head g of KV
     head h may not read that entry), shared by the batch. H = Hkv * G."""
     which = which or backend(query.device)
-    start = per_sequence_and_head(start, query.shape[0], k.shape[1])
     if which == "triton":
         return attend_triton(query, k, v, start, scale, bias)
     return attend_sdpa(query, k, v, start, scale, bias)
