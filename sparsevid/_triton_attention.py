@@ -13,7 +13,7 @@ import triton.language as tl
 
 @triton.jit
 def split_kv(Q, K, V, Start, Bias, O_part, L_part,
-             sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_h, sb_g, sb_n,
+             sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_b, sb_h, sb_g, sb_n,
              scale, Hkv, q_len, per, D,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
@@ -48,7 +48,7 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
             sc = tl.dot(qv, kt)
         sc = sc * scale
         if HAS_BIAS:
-            sc += tl.load(Bias + h * sb_h + g[:, None] * sb_g + cols[None, :] * sb_n,
+            sc += tl.load(Bias + b * sb_b + h * sb_h + g[:, None] * sb_g + cols[None, :] * sb_n,
                           mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
         sc = tl.where(c_ok[None, :] & (cols[None, :] <= last[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))

@@ -65,19 +65,22 @@ class Buffers:
         self.pool, self.taken = pool, {}
 
     def zeros(self, name, shape, dtype, device) -> torch.Tensor:
-        t = (torch.zeros(shape, dtype=dtype, device=device) if self.pool is None
-             else self.pool.take(name, shape, dtype, device))
-        self.taken[name] = t
+        if self.pool is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        t = self.taken[name] = self.pool.take(name, shape, dtype, device)
         return t
 
     def like(self, name, t: torch.Tensor) -> torch.Tensor:
         """A pooled copy of a small tensor the steps read (head indices, scales, masks)."""
         return self.zeros(name, t.shape, t.dtype, t.device).copy_(t)
 
-    def release(self) -> None:
+    def release(self, names=None) -> None:
+        """Give back every buffer taken, or those of `names` (no longer used by the cache)."""
+        names = list(self.taken) if names is None else [n for n in names if n in self.taken]
         if self.pool is not None:
-            self.pool.give_back(self.taken)
-        self.taken = {}
+            self.pool.give_back({n: self.taken[n] for n in names})
+        for n in names:
+            del self.taken[n]
 
 
 @dataclass
@@ -130,15 +133,17 @@ class LayerSelection:
 
 
 def write_at(buf: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
-    """buf [B, Hkv, capacity, D][:, h, pos[h, t]] = x[:, h, t] for pos [Hkv or 1, q], x [B, Hkv, q, D]:
-    one `index_copy_` (over the heads' flattened entries where they differ). (`scatter_` did the same and, compiled by
-    inductor on the CPU, copied the whole buffer: 2.7 ms of a 5.4 ms step at 4,608 visual tokens.)"""
+    """buf [B, Hkv, capacity, D][b, h, pos[b, h, t]] = x[b, h, t] for pos [B or 1, Hkv or 1, q] and
+    x [B, Hkv, q, D]: one `index_copy_` (over the flattened entries where rows or heads differ).
+    (`scatter_` did the same and, compiled by inductor on the CPU, copied the whole buffer: 2.7 ms
+    of a 5.4 ms step at 4,608 visual tokens.)"""
     B, Hkv, cap, D = buf.shape
-    if pos.shape[0] == 1:  # every head at the same positions
-        buf.index_copy_(2, pos[0], x)
+    if pos.shape[0] == 1 and pos.shape[1] == 1:  # every row and head at the same positions
+        buf.index_copy_(2, pos[0, 0], x)
         return
-    flat = (torch.arange(Hkv, device=buf.device)[:, None] * cap + pos).reshape(-1)
-    buf.view(B, Hkv * cap, D).index_copy_(1, flat, x.reshape(B, -1, D))
+    base = torch.arange(B * Hkv, device=buf.device).view(B, Hkv, 1) * cap
+    flat = (base + pos).reshape(-1)
+    buf.view(B * Hkv * cap, D).index_copy_(0, flat, x.reshape(-1, D))
 
 
 def causal_mask(rows: int, n: int, device) -> torch.Tensor:
@@ -220,9 +225,9 @@ class SparseKV:
             self.head_scale = bufs.like(("sparse", layer, "scale"), sel.head_scale.to(dev, keys.dtype))
 
     def positions(self, gen_pos, q: int) -> torch.Tensor:
-        """[Hkv, q] (or [1, q] where every head keeps as many entries): where each head stores q new
-        tokens from generated-token index `gen_pos` (an int or a tensor)."""
-        return self.lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device)
+        """[1, Hkv, q] (or [1, 1, q] where every head keeps as many entries): where each head stores q
+        new tokens from generated-token index `gen_pos` (an int or a tensor)."""
+        return (self.lens[:, None] + gen_pos + torch.arange(q, device=self.lens.device))[None]
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
@@ -334,6 +339,7 @@ class KVCache(Cache):
         self.mode = "dense"
         self.dense_len = self.sparse_len = self.prompt_len = 0
         self.static: dict = {}  # the compiled steps' views of these buffers (`fast.buffers`)
+        self.stack: "Stack | None" = None  # batched decoding: the stack this cache's buffers are a row of
         super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
 
     @property
@@ -365,6 +371,9 @@ class KVCache(Cache):
         """The run is over: its buffers go back to the pool (this cache must not be used again)."""
         self.static.clear()
         self.buffers.release()
+        if self.stack is not None:
+            self.stack.release()
+            self.stack = None
 
     def nbytes(self) -> int:
         """KV bytes held now, every layer, dense buffers and compact caches."""
@@ -374,3 +383,91 @@ class KVCache(Cache):
         """KV bytes of the compact caches only."""
         n_gen = self.sparse_len - self.prompt_len
         return sum(l.sparse.nbytes(n_gen) for l in self.layers if l.sparse is not None)
+
+
+class Stack:
+    """The KV buffers of B runs' caches stacked along the batch dimension, so one decode step serves
+    every row (batched decoding): per layer the dense buffers [B, Hkv, max capacity, D] and the
+    compact ones [B, Hkv, max(K_max + gen_capacity), D], with per-row biases [B, Hkv, G, N] and
+    head scales [B, H] where any row has them. Each run's cache is re-pointed at its row (views),
+    so rollback, refresh and byte counts stay per row and unchanged; rows keep their own lengths.
+
+    A layer where some rows hold a compact cache and others read their dense one (their policy kept
+    everything there) gets, for those rows, a compact copy of every entry (the same entries: the
+    same attention), so every layer is one block. Stacking copies each row's KV once; after rows
+    end, `Stack(remaining caches)` drops theirs (each row's cache keeps working on its own views).
+
+    offsets(mode, layers): per row, where each block's heads write relative to the row's length
+    ([B, slots]: dense 0; a compact cache K_h - prompt length)."""
+
+    def __init__(self, caches: list[KVCache], num_heads: int, pool: BufferPool | None = None):
+        self.caches = list(caches)
+        self.buffers = Buffers(pool)
+        B = len(caches)
+        self.dense: list[tuple | None] = []
+        # per layer: (k, v, bias, scale, width, offsets [B, width]) of the stacked compact caches, or None
+        self.sparse: list[tuple | None] = []
+        for i in range(len(caches[0].layers)):
+            rows = [c.layers[i] for c in caches]
+            if any(r.sparse is not None for r in rows):
+                for c, r in zip(caches, rows):
+                    if r.sparse is None:  # a compact copy of every entry this row has
+                        n = c.prompt_len
+                        sel = LayerSelection([torch.arange(n, device=r.keys.device)] * r.keys.shape[1])
+                        r.sparse = SparseKV(r.keys[:, :, :n], r.values[:, :, :n], sel, c.capacity - n, num_heads)
+                        r.sparse.copy_generated(r.keys[:, :, n:c.sparse_len], r.values[:, :, n:c.sparse_len], 0)
+                sps = [r.sparse for r in rows]
+                k = self._stack(("stack", i, "sk"), [s.k for s in sps])
+                v = self._stack(("stack", i, "sv"), [s.v for s in sps])
+                bias = None
+                if any(s.bias is not None for s in sps):
+                    Hkv, G = sps[0].k.shape[1], num_heads // sps[0].k.shape[1]
+                    bias = self.buffers.zeros(("stack", i, "bias"), (B, Hkv, G, k.shape[2]), k.dtype, k.device)
+                    for b, s in enumerate(sps):
+                        if s.bias is not None:
+                            bias[b, :, :, :s.bias.shape[-1]] = s.bias
+                scale = None
+                if any(s.head_scale is not None for s in sps):
+                    scale = self.buffers.zeros(("stack", i, "scale"), (B, num_heads), k.dtype, k.device).fill_(1)
+                    for b, s in enumerate(sps):
+                        if s.head_scale is not None:
+                            scale[b] = s.head_scale
+                for b, s in enumerate(sps):
+                    s.k, s.v = k[b:b + 1], v[b:b + 1]
+                    s.bias = None if bias is None else bias[b]
+                    s.head_scale = None if scale is None else scale[b]
+                width = 1 if all(s.uniform for s in sps) else k.shape[1]
+                offsets = torch.tensor([[n - c.prompt_len for n in s.starts] * (width // len(s.starts))
+                                        for c, s in zip(caches, sps)], device=k.device)
+                self.sparse.append((k, v, bias, scale, width, offsets))
+            else:
+                self.sparse.append(None)
+            if all(r.is_initialized for r in rows):
+                k = self._stack(("stack", i, "k"), [r.keys for r in rows])
+                v = self._stack(("stack", i, "v"), [r.values for r in rows])
+                for b, r in enumerate(rows):
+                    r.keys, r.values = k[b:b + 1], v[b:b + 1]
+                self.dense.append((k, v))
+            else:
+                self.dense.append(None)
+        moved = [(role, i, part) for i in range(len(caches[0].layers))
+                 for role, parts in (("dense", "kv"), ("sparse", ("k", "v", "bias", "scale"))) for part in parts]
+        for c in caches:
+            c.static.clear()
+            if c.stack is not None and c.stack is not self:
+                c.stack.release()  # the previous stack (rows have ended since): each row now lives here
+            c.stack = self
+            c.buffers.release(moved)  # each row's own buffers: its cache reads its row of the stack now
+        self.blocks: dict = {}
+
+    def _stack(self, name, rows: list[torch.Tensor]) -> torch.Tensor:
+        """rows [1, Hkv, n_b, D] -> [B, Hkv, max n_b, D] (zeros past each row's own)."""
+        n = max(r.shape[2] for r in rows)
+        out = self.buffers.zeros(name, (len(rows),) + rows[0].shape[1:2] + (n,) + rows[0].shape[3:],
+                                 rows[0].dtype, rows[0].device)
+        for b, r in enumerate(rows):
+            out[b, :, :r.shape[2]] = r[0]
+        return out
+
+    def release(self) -> None:
+        self.buffers.release()

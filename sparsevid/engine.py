@@ -12,6 +12,7 @@ never writes on the loaded model. Each run returns a plain `traces.Trace`.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import statistics
 import time
@@ -23,8 +24,8 @@ import torch
 
 from .adapters import VideoInputs, text_step
 from .attention import Run, active
-from .fast import buffers, static_step
-from .cache import KVCache, LayerSelection, Prompt
+from .fast import buffers, stack_buffers, static_step
+from .cache import KVCache, LayerSelection, Prompt, Stack
 from .models import Loaded
 from .metrics import best_gamma
 from .traces import LayerRecord, Round, Trace
@@ -147,39 +148,64 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
 @torch.inference_mode()
 def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None,
          num_layers: int | None = None, pad_to: int | None = None) -> torch.Tensor:
-    """Feed `tokens` after the current length of `mode`'s cache (through the first `num_layers`
-    layers, all by default). Returns logits [q, V].
+    """`step_rows` of one run: logits [q, V] of `tokens`."""
+    return step_rows(loaded, [run], [tokens], mode, num_layers, pad_to)[0]
 
-    One decode path: `fast.static_step` over the cache's buffers, through a compiled (CPU) or
-    captured (CUDA) graph where `loaded.fast` is enabled, else eagerly; the eager
-    `adapters.text_step` only serves a run that watches its decode attention (calibration).
-    `pad_to`: with captured graphs, a verification pass is fed as `pad_to` rows (the extra rows
-    repeat the last token after the real ones; causality keeps them from the real rows' logits), so
-    one graph serves every γ."""
-    cache = run.cache
-    if mode is not None:
-        cache.mode = mode
+
+def batch_buffers(loaded: Loaded, caches: list, mode: str, num_layers: int | None):
+    """The step's buffers (`fast.buffers`) of one cache, or of several decoded together: their
+    `cache.Stack` (stacked once per set of rows: again after rows end, without theirs)."""
+    if len(caches) == 1:
+        return buffers(caches[0], mode, num_layers)
+    stack = caches[0].stack
+    if stack is None or len(stack.caches) != len(caches) or any(a is not b for a, b in zip(stack.caches, caches)):
+        stack = Stack(caches, loaded.num_heads, loaded.pool)
+    return stack_buffers(stack, mode, num_layers)
+
+
+@torch.inference_mode()
+def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str | None = None,
+              num_layers: int | None = None, pad_to: int | None = None) -> list[torch.Tensor]:
+    """Feed each run its tokens (`feeds[b]`; [] for a row that sits this step out) after the current
+    length of `mode`'s cache (through the first `num_layers` layers, all by default), all rows in
+    one step. Returns per row logits [len(feeds[b]), V].
+
+    One decode path: `fast.static_step` over the caches' buffers (several runs: their `cache.Stack`,
+    each row at its own lengths and positions), through a compiled (CPU) or captured (CUDA) graph
+    where `loaded.fast` is enabled, else eagerly; the eager `adapters.text_step` only serves a run
+    that watches its decode attention (calibration). Rows are fed max(len(feeds[b])) tokens, a
+    shorter feed padded by repeating its last token: the padding rows come after the real ones
+    (causality keeps them from the real rows' logits) and write past the row's length, where
+    nothing reads before it is overwritten. `pad_to`: with captured graphs, a verification pass is
+    fed as `pad_to` rows, so one graph serves every γ."""
+    caches = [r.cache for r in runs]
+    for c in caches:
+        c.mode = mode if mode is not None else c.mode
     dev = loaded.device
     fast = loaded.fast
-    q = rows = len(tokens)
+    rows = max(len(f) for f in feeds)
     if pad_to and fast is not None and fast.enabled and dev.type == "cuda":
-        rows = max(q, pad_to)
-    ids = torch.tensor([tokens + tokens[-1:] * (rows - q)], device=dev)
-    pos = loaded.adapter.position_ids(cache.length + run.position_offset, rows, dev)
-    logits = None
-    if run.on_decode_attention is None:
-        if fast is not None:
-            logits = fast.step(cache, cache.mode, ids, pos, num_layers)  # None: eager
-            run.fast_steps += logits is not None
-        bufs = None if logits is not None else buffers(cache, cache.mode, num_layers)
-        if bufs is not None:
-            layers, scales, offsets, _ = bufs
-            logits = static_step(loaded.model, ids, pos, layers, scales, offsets + cache.length)
-    if logits is None:
-        with active(run):
-            logits = text_step(loaded.model, ids, pos, cache, num_layers)
-    cache.advance(q)
-    return logits[0, :q]
+        rows = max(rows, pad_to)
+    ids = torch.tensor([(f or [0]) + (f or [0])[-1:] * (rows - max(1, len(f))) for f in feeds], device=dev)
+    pos = torch.cat([loaded.adapter.position_ids(c.length + r.position_offset, rows, dev)
+                     for r, c in zip(runs, caches)], dim=-2)
+    watched = len(runs) == 1 and runs[0].on_decode_attention is not None
+    bufs = None if watched else batch_buffers(loaded, caches, caches[0].mode, num_layers)
+    if bufs is None:  # eager, through the run (one row: calibration, or a layer with nothing to read)
+        with active(runs[0]):
+            logits = text_step(loaded.model, ids, pos, caches[0], num_layers)
+    else:
+        lengths = torch.tensor([c.length for c in caches], device=dev)[:, None]
+        start = bufs[2] + lengths
+        logits = None if fast is None else fast.step(bufs, start, ids, pos)  # None: eager
+        if logits is not None:
+            for r in runs:
+                r.fast_steps += 1
+        else:
+            logits = static_step(loaded.model, ids, pos, bufs[0], bufs[1], start)
+    for c, f in zip(caches, feeds):
+        c.advance(len(f))
+    return [logits[b, :len(f)] for b, f in enumerate(feeds)]
 
 
 def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.Tensor] | None = None,
@@ -210,45 +236,83 @@ def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.T
     return out
 
 
+def _row_callback(on_token):
+    """A one-row run's `on_token(tok)` as a batch's `on_token(row, tok)`."""
+    return None if on_token is None else (lambda row, tok: on_token(tok))
+
+
+def _choose_rows(logits: list[torch.Tensor], s: Sampling, gens: list) -> list[int]:
+    """Each row's next token from its logits [V] (greedy: one argmax for the batch, one sync)."""
+    if s.greedy:
+        return torch.stack(logits).argmax(-1).tolist()
+    return [choose(lg, s, g) for lg, g in zip(logits, gens)]
+
+
 @torch.inference_mode()
-def decode(loaded: Loaded, inputs: VideoInputs, *, method: str = "dense", policy=None, max_new_tokens: int = 96,
-           sampling: Sampling = Sampling(), on_token: Callable[[int], None] | None = None,
-           keep_stats: bool = False, run_out: list | None = None, capacity_tokens: int = 0) -> Trace:
-    """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only).
-    `run_out`, if given, receives the `Run` (its prefill statistics, for evaluation figures).
-    `capacity_tokens`: size the cache for that many tokens (a warm-up run sized as the runs it
-    prepares, so their buffers and graphs are the ones it captured)."""
+def decode(loaded: Loaded, inputs: VideoInputs, *, on_token: Callable[[int], None] | None = None,
+           **kw) -> Trace:
+    """`decode_rows` of one prompt."""
+    return decode_rows(loaded, [inputs], on_token=_row_callback(on_token), **kw)[0]
+
+
+@torch.inference_mode()
+def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "dense", policy=None,
+                max_new_tokens: int = 96, sampling: Sampling = Sampling(),
+                on_token: Callable[[int, int], None] | None = None, keep_stats: bool = False,
+                run_out: list | None = None, capacity_tokens: int = 0) -> list[Trace]:
+    """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only) of one
+    or several prompts decoded together (batched: one step serves every row; each row is prefilled
+    on its own, keeps its own lengths, positions and selections, and leaves the batch when it ends).
+    `on_token(row, token)` as each row's tokens come. `run_out`, if given, receives each `Run` (its
+    prefill statistics, for evaluation figures). `capacity_tokens`: size the caches for that many
+    tokens (a warm-up run sized as the runs it prepares, so their buffers and graphs are the ones
+    it captured). A row's `decode_s` runs from the end of the batch's prefills to its last token."""
     dev = loaded.device
     eos = sampling.eos(loaded)
-    run = new_run(loaded, inputs, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
-                  keep_stats=keep_stats)
-    gen = sampling.generator(dev)
+    runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
+                    keep_stats=keep_stats) for x in inputs]
+    gens = [sampling.generator(dev) for _ in runs]
+    B = len(runs)
     sync(dev)
     _reset_peak(dev)
-    t0 = time.perf_counter()
-    tok = choose(prefill(loaded, inputs, run), sampling, gen)
-    sync(dev)
-    t1 = time.perf_counter()
-    tokens, steps = [], []
-    while True:
-        tokens.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if tok in eos or len(tokens) >= max_new_tokens:
-            break
-        ts = time.perf_counter()
-        tok = choose(step(loaded, run, [tok])[-1], sampling, gen)
+    outs, prefill_s = [], []
+    for b, (x, run) in enumerate(zip(inputs, runs)):
+        t0 = time.perf_counter()
+        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
         sync(dev)
-        steps.append(time.perf_counter() - ts)
-    t2 = time.perf_counter()
+        prefill_s.append(time.perf_counter() - t0)
+        if on_token is not None:
+            on_token(b, outs[b][0])
+    t1 = time.perf_counter()
+    ended = [t1] * B
+    live = [b for b in range(B) if outs[b][-1] not in eos and len(outs[b]) < max_new_tokens]
+    steps = []
+    while live:
+        ts = time.perf_counter()
+        logits = step_rows(loaded, [runs[b] for b in live], [outs[b][-1:] for b in live])
+        for b, tok in zip(live, _choose_rows([lg[-1] for lg in logits], sampling, [gens[b] for b in live])):
+            outs[b].append(tok)
+            if on_token is not None:
+                on_token(b, tok)
+        sync(dev)
+        te = time.perf_counter()
+        steps.append(te - ts)
+        for b in live:
+            if outs[b][-1] in eos or len(outs[b]) >= max_new_tokens:
+                ended[b] = te
+        live = [b for b in live if ended[b] == t1]
     peak = _peak(dev, loaded.pool)
-    if run_out is not None:
-        run_out.append(run)
-    kv_bytes = run.cache.nbytes()
-    run.cache.release()
-    return Trace(method, "dense" if policy is None else "direct", tokens, loaded.adapter.decode(tokens), t1 - t0,
-                 t2 - t1, kv_bytes, step_s=steps, layers=layer_records(run.selections, run.rows, inputs.m),
-                 peak_memory_bytes=peak[0], peak_memory_source=peak[1], fast_steps=run.fast_steps)
+    traces = []
+    for b, (x, run) in enumerate(zip(inputs, runs)):
+        if run_out is not None:
+            run_out.append(run)
+        traces.append(Trace(method, "dense" if policy is None else "direct", outs[b], loaded.adapter.decode(outs[b]),
+                            prefill_s[b], ended[b] - t1, run.cache.nbytes(), step_s=steps[:len(outs[b]) - 1],
+                            layers=layer_records(run.selections, run.rows, x.m), peak_memory_bytes=peak[0],
+                            peak_memory_source=peak[1], fast_steps=run.fast_steps, batch=B))
+    for run in runs:
+        run.cache.release()
+    return traces
 
 
 class PolicyDraft:
@@ -260,6 +324,8 @@ class PolicyDraft:
     tokens' KV in the compact caches is replaced by dense's (n+1 entries copied).
     """
 
+    mode, num_layers = "sparse", None  # a draft step: the compact caches, every layer
+
     def __init__(self, policy, refresh: bool = True):
         self.policy, self.refresh = policy, refresh
 
@@ -269,12 +335,16 @@ class PolicyDraft:
     def feed(self) -> list[int]:
         return self.pending
 
-    def forward(self, loaded: Loaded, run: Run, tokens: list[int]) -> torch.Tensor:
+    def prepare(self, run: Run) -> None:
+        """Before a draft step that feeds this row."""
         cache = run.cache
         if self.refresh and cache.sparse_len < cache.dense_len:  # catch up after dense rounds, in one copy
             cache.refresh_sparse(cache.sparse_len, cache.dense_len)
             cache.sparse_len = cache.dense_len
-        return step(loaded, run, tokens, mode="sparse")
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's next-token logits [V] from its step's (the same; a test draft may change them)."""
+        return logits
 
     def before_verify(self, run: Run) -> None:
         """The compact caches keep the draft's entries until the round ends."""
@@ -301,9 +371,10 @@ class LayerSkipDraft:
     """
 
     policy = None
+    mode = "dense"
 
     def __init__(self, layers: int):
-        self.layers = layers
+        self.layers = self.num_layers = layers
 
     def begin(self, run: Run, committed: list[int]) -> None:
         self.last = committed[-1:]
@@ -312,10 +383,12 @@ class LayerSkipDraft:
     def feed(self) -> list[int]:
         return self.last
 
-    def forward(self, loaded: Loaded, run: Run, tokens: list[int]) -> torch.Tensor:
+    def prepare(self, run: Run) -> None:
         if self._start is None:
             self._start = run.cache.dense_len
-        return step(loaded, run, tokens, mode="dense", num_layers=self.layers)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
     def before_verify(self, run: Run) -> None:
         """Forget the draft's dense-cache writes: verification rewrites those positions."""
@@ -391,7 +464,9 @@ class GammaPlan:
             self.wait = self.reprobe
         return g, "best"
 
-    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int) -> None:
+    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int, tested: int | None = None) -> None:
+        """A round: `drafted` draft steps in `draft_s`, its verification in `verify_s`, `accepted`
+        draft tokens accepted of `tested` positions tested (default: one row's round)."""
         def keep(xs: list[float], x: float) -> None:
             xs.append(x)
             del xs[:-self.window]
@@ -406,106 +481,151 @@ class GammaPlan:
         if self.t_dense is not None:
             keep(self.row_s, max(0.0, verify_s - self.t_dense) / drafted)
         self.accepted += accepted
-        self.tested += accepted + (accepted < drafted)
+        self.tested += accepted + (accepted < drafted) if tested is None else tested
 
 
 @torch.inference_mode()
-def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, method: str = "std", gamma: int = 9,
-                       adaptive: bool = False, max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-                       on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0) -> Trace:
-    """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et al.'s acceptance rule).
+def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, on_token: Callable[[int], None] | None = None,
+                       **kw) -> Trace:
+    """`speculative_decode_rows` of one prompt."""
+    return speculative_decode_rows(loaded, [inputs], draft, on_token=_row_callback(on_token), **kw)[0]
 
-    One round: the draft proposes up to γ tokens autoregressively; dense scores them all in one
-    forward over the full cache; the longest prefix dense agrees with is accepted, then dense's own
-    next token is added as a bonus. Greedy: agreement means dense's argmax. Sampling: accept draft
-    token x with probability min(1, p(x)/q(x)), else resample from norm(max(p - q, 0)). Rollback
-    of either cache is a change of its length. With `adaptive`, each round's γ (at most `gamma`,
-    0 = a plain dense step) comes from the run's measured costs (`GammaPlan`).
+
+@torch.inference_mode()
+def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *, method: str = "std",
+                            gamma: int = 9, adaptive: bool = False, max_new_tokens: int = 96,
+                            sampling: Sampling = Sampling(), on_token: Callable[[int, int], None] | None = None,
+                            capacity_tokens: int = 0) -> list[Trace]:
+    """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et
+    al.'s acceptance rule), of one or several prompts decoded together (each row with its own copy
+    of `draft`, its own caches, lengths and random generator).
+
+    One round: the draft proposes up to γ tokens autoregressively (all rows in one step; a row that
+    proposed an end token or has no room sits the remaining steps out); dense scores every row's
+    tokens in one forward over the full caches; per row, the longest prefix dense agrees with is
+    accepted, then dense's own next token is added as a bonus. Greedy: agreement means dense's
+    argmax. Sampling: accept draft token x with probability min(1, p(x)/q(x)), else resample from
+    norm(max(p - q, 0)). Rollback of either cache is a change of its length, per row. A row that
+    ends leaves the batch. With `adaptive`, each round's γ (at most `gamma`, 0 = a plain dense step)
+    comes from the batch's measured costs and every row's acceptance (`GammaPlan`).
     """
     dev = loaded.device
     eos = sampling.eos(loaded)
     refresh = getattr(draft, "refresh", True)
-    run = new_run(loaded, inputs, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
-                  copy_all=not refresh)
-    gen = sampling.generator(dev)
+    B = len(inputs)
+    drafts = [copy.copy(draft) for _ in range(B)]
+    runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
+                    copy_all=not refresh) for x in inputs]
+    gens = [sampling.generator(dev) for _ in runs]
     sync(dev)
     _reset_peak(dev)
-    t0 = time.perf_counter()
-    out = [choose(prefill(loaded, inputs, run), sampling, gen)]
-    sync(dev)
+    outs, prefill_s = [], []
+    for b, (x, run) in enumerate(zip(inputs, runs)):
+        t0 = time.perf_counter()
+        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
+        sync(dev)
+        prefill_s.append(time.perf_counter() - t0)
+        if on_token is not None:
+            on_token(b, outs[b][0])
+        drafts[b].begin(run, outs[b])
     t1 = time.perf_counter()
-    if on_token is not None:
-        on_token(out[0])
-    rounds: list[Round] = []
-    draft.begin(run, out)
+    rounds: list[list[Round]] = [[] for _ in range(B)]
+    ended = [t1] * B
+
+    def done(b: int) -> bool:
+        return outs[b][-1] in eos or len(outs[b]) >= max_new_tokens
+
     if draft.policy is not None:  # a draft that keeps every entry everywhere is dense: never run it
-        keeps_all = all(sel.query_mask is None and sel.head_scale is None and min(sel.lengths) >= inputs.m
-                        for sel in run.selections.values())
+        keeps_all = all(sel.query_mask is None and sel.head_scale is None and min(sel.lengths) >= x.m
+                        for x, run in zip(inputs, runs) for sel in run.selections.values())
     else:
         keeps_all = draft.layers >= loaded.num_layers
     plan = GammaPlan(gamma, adaptive, draft_is_dense=keeps_all)
-    while plan.adaptive and plan.draft_is_dense and out[-1] not in eos and len(out) < max_new_tokens:
-        ts = time.perf_counter()  # the draft is the model itself: plain dense decoding, no round overhead
-        out.append(choose(step(loaded, run, out[-1:], mode="dense")[-1], sampling, gen))
-        sync(dev)
-        rounds.append(Round([], 0, out[-1], 0.0, time.perf_counter() - ts, gamma=0, why="draft = dense"))
-        if on_token is not None:
-            on_token(out[-1])
-    while out[-1] not in eos and len(out) < max_new_tokens:
-        g, why = plan.choose(max_new_tokens - len(out) - 1)  # room for the bonus token
+    live = [b for b in range(B) if not done(b)]
+    while live:
+        if plan.adaptive and plan.draft_is_dense:  # the draft is the model itself: plain dense decoding
+            g, why = 0, "draft = dense"
+        else:
+            g, why = plan.choose(max(max_new_tokens - len(outs[b]) - 1 for b in live))  # room for the bonus
         ts = time.perf_counter()
-        proposed, q_probs, fed, feed = [], [], 0, draft.feed()
-        for _ in range(g):
-            lg = draft.forward(loaded, run, feed)[-1]
-            fed += len(feed)
-            if sampling.greedy:
-                t = int(lg.argmax())
-            else:
-                q_probs.append(probs_from_logits(lg, sampling))
-                t = int(torch.multinomial(q_probs[-1], 1, generator=gen))
-            proposed.append(t)
-            feed = [t]
-            if t in eos:
+        room = {b: min(g, max_new_tokens - len(outs[b]) - 1) for b in live}
+        proposed = {b: [] for b in live}
+        q_probs = {b: [] for b in live}
+        fed = {b: 0 for b in live}
+        feed = {b: drafts[b].feed() for b in live}
+        steps = 0
+        while True:
+            drafting = [b for b in live if len(proposed[b]) < room[b] and not (proposed[b] and proposed[b][-1] in eos)]
+            if not drafting:
                 break
-        draft.before_verify(run)
+            for b in drafting:
+                drafts[b].prepare(runs[b])
+            logits = step_rows(loaded, [runs[b] for b in live], [feed[b] if b in drafting else [] for b in live],
+                               mode=draft.mode, num_layers=draft.num_layers)
+            steps += 1
+            for b, lg in zip(live, logits):
+                if b not in drafting:
+                    continue
+                lg = drafts[b].scores(lg[-1])
+                fed[b] += len(feed[b])
+                if sampling.greedy:
+                    t = int(lg.argmax())
+                else:
+                    q_probs[b].append(probs_from_logits(lg, sampling))
+                    t = int(torch.multinomial(q_probs[b][-1], 1, generator=gens[b]))
+                proposed[b].append(t)
+                feed[b] = [t]
+        for b in live:
+            drafts[b].before_verify(runs[b])
         sync(dev)
         tv = time.perf_counter()
-        lg = step(loaded, run, out[-1:] + proposed, mode="dense",  # [len(proposed) + 1, V]
-                  pad_to=gamma + 1 if proposed else None)
-        accepted, bonus = _accept(lg, proposed, q_probs, sampling, gen)
-        committed = []
-        for t in proposed[:accepted] + [bonus]:
-            committed.append(t)
-            if t in eos or len(out) + len(committed) >= max_new_tokens:
-                break
-        # Dense cache: keep the KV of every committed token but the newest (roll back the rest).
-        run.cache.dense_len += len(committed) - (len(proposed) + 1)
-        out.extend(committed)
+        logits = step_rows(loaded, [runs[b] for b in live], [outs[b][-1:] + proposed[b] for b in live],
+                           mode="dense", pad_to=gamma + 1 if steps else None)  # [len(proposed) + 1, V] per row
+        accepted_all = tested = 0
+        committed, acc = {}, {}
+        for b, lg in zip(live, logits):
+            accepted, bonus = acc[b] = _accept(lg, proposed[b], q_probs[b], sampling, gens[b])
+            accepted_all += accepted
+            tested += accepted + (accepted < len(proposed[b]))
+            committed[b] = []
+            for t in proposed[b][:accepted] + [bonus]:
+                committed[b].append(t)
+                if t in eos or len(outs[b]) + len(committed[b]) >= max_new_tokens:
+                    break
+            # Dense cache: keep the KV of every committed token but the newest (roll back the rest).
+            runs[b].cache.dense_len += len(committed[b]) - (len(proposed[b]) + 1)
+            outs[b].extend(committed[b])
+            if on_token is not None:
+                for t in committed[b]:
+                    on_token(b, t)
         sync(dev)
         te = time.perf_counter()
-        plan.observe(len(proposed), tv - ts, te - tv, accepted)
-        rounds.append(Round(proposed, accepted, bonus if len(committed) == accepted + 1 else None, tv - ts, te - tv,
-                            gamma=g, why=why))
-        if on_token is not None:
-            for t in committed:
-                on_token(t)
-        if out[-1] in eos or len(out) >= max_new_tokens:
-            break
-        draft.end_round(run, fed, out)
-    t2 = time.perf_counter()
+        plan.observe(steps, tv - ts, te - tv, accepted_all, tested)
+        for b in live:
+            rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,
+                                   tv - ts, te - tv, gamma=g, why=why))
+            if done(b):
+                ended[b] = te
+            else:
+                drafts[b].end_round(runs[b], fed[b], outs[b])
+        live = [b for b in live if not done(b)]
     peak = _peak(dev, loaded.pool)
-    L, m = loaded.num_layers, inputs.m
-    if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
-        lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]
-        draft_entries = (sum(lens) + m * (L - len(lens))) / L
-    else:
-        draft_entries = m * draft.layers / L
-    kv_bytes = run.cache.nbytes()
-    run.cache.release()
-    return Trace(method, "speculative", out, loaded.adapter.decode(out), t1 - t0, t2 - t1, kv_bytes,
-                 rounds=rounds, layers=layer_records(run.selections, run.rows, inputs.m), draft_entries=draft_entries,
-                 draft_layers=getattr(draft, "layers", None), gamma=gamma, peak_memory_bytes=peak[0],
-                 peak_memory_source=peak[1], fast_steps=run.fast_steps)
+    L = loaded.num_layers
+    traces = []
+    for b, (x, run) in enumerate(zip(inputs, runs)):
+        if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
+            lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]
+            draft_entries = (sum(lens) + x.m * (L - len(lens))) / L
+        else:
+            draft_entries = x.m * draft.layers / L
+        traces.append(Trace(method, "speculative", outs[b], loaded.adapter.decode(outs[b]), prefill_s[b],
+                            ended[b] - t1, run.cache.nbytes(), rounds=rounds[b],
+                            layers=layer_records(run.selections, run.rows, x.m), draft_entries=draft_entries,
+                            draft_layers=getattr(draft, "layers", None), gamma=gamma, peak_memory_bytes=peak[0],
+                            peak_memory_source=peak[1], fast_steps=run.fast_steps, batch=B))
+    for run in runs:
+        run.cache.release()
+    return traces
 
 
 def _accept(lg: torch.Tensor, proposed: list[int], q_probs: list[torch.Tensor], sampling: Sampling, gen):

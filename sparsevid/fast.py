@@ -78,7 +78,8 @@ class Block:
 @dataclass
 class StaticKV:
     """What a decoder layer's `update` returns in a static step, as its 'key states': the layer's
-    block, its per-query-head output scale (optional [H]) and the block's write positions [1, width]."""
+    block, its per-query-head output scale (optional [H], or [B, H] per row) and the block's write
+    positions [B or 1, width]."""
 
     block: Block
     head_scale: torch.Tensor | None
@@ -88,22 +89,24 @@ class StaticKV:
 class StaticView:
     """The cache a decoder layer's attention sees during `static_step`.
 
-    layers: per layer, its `Block`; head_scale: per layer, [H] or None; start: LongTensor [slots],
-    where each block writes this step's q tokens (head h of block b: entries s .. s + q - 1,
-    s = start[b.slot + h] for a block of width Hkv, start[b.slot] for width 1).
+    layers: per layer, its `Block`; head_scale: per layer, [H] or [B, H] or None; start: LongTensor
+    [slots] or, per row of a batch, [B, slots]: where each block writes this step's q tokens (head
+    h of block b: entries s .. s + q - 1, s = start[..., b.slot + h] for a block of width Hkv,
+    start[..., b.slot] for width 1).
     """
 
     def __init__(self, layers: list, head_scale: list, start: torch.Tensor):
-        self.layers, self.head_scale, self.start = layers, head_scale, start
+        self.layers, self.head_scale = layers, head_scale
+        self.start = start if start.dim() == 2 else start[None]
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         """Write key/value [B, Hkv, q, D] into the layer's block; return (StaticKV, None)."""
         b = self.layers[layer_idx]
-        start = self.start[b.slot:b.slot + b.width]  # [width]
-        pos = start[:, None] + torch.arange(key.shape[2], device=key.device)  # [width, q]
+        start = self.start[:, b.slot:b.slot + b.width]  # [B or 1, width]
+        pos = start[:, :, None] + torch.arange(key.shape[2], device=key.device)  # [B or 1, width, q]
         write_at(b.k, pos, key)
         write_at(b.v, pos, value)
-        return StaticKV(b, self.head_scale[layer_idx], start[None]), None
+        return StaticKV(b, self.head_scale[layer_idx], start), None
 
 
 def static_step(model, input_ids, position_ids, layers: list, head_scale: list, start: torch.Tensor):
@@ -124,14 +127,15 @@ def static_attention(query, kv: StaticKV, scale):
     repeat), then the query heads' output scales."""
     b = kv.block
     out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias)
-    if kv.head_scale is not None:
-        out = out * kv.head_scale.view(1, 1, -1, 1)
+    hs = kv.head_scale
+    if hs is not None:
+        out = out * (hs.view(1, 1, -1, 1) if hs.dim() == 1 else hs[:, None, :, None])
     return out
 
 
 def buffers(cache, mode: str, num_layers: int | None = None):
-    """The step's layers as (block per layer, head_scale per layer, offsets [slots], per_head): block
-    b's head h writes at `offsets[b.slot + h] + cache length` (a compact cache: K_h - prompt length;
+    """The step's layers as (block per layer, head_scale per layer, offsets [1, slots], per_head): block
+    b's head h writes at `offsets[0, b.slot + h] + cache length` (a compact cache: K_h - prompt length;
     the dense layer: 0), and per_head says whether any layer's heads keep different numbers of
     entries or have masks or output scales (HT-Sparse, SparseMM). Built once per cache, mode and
     layer count (the buffers never move during a run). None when a layer has nothing to read."""
@@ -157,7 +161,40 @@ def buffers(cache, mode: str, num_layers: int | None = None):
         for b in layers:
             for t in (b.k, b.v) + (() if b.bias is None else (b.bias,)):
                 torch._dynamo.mark_dynamic(t, 2)
-    cache.static[key] = out = (layers, scales, torch.tensor(offsets, device=device), per_head)
+    cache.static[key] = out = (layers, scales, torch.tensor([offsets], device=device), per_head)
+    return out
+
+
+def stack_buffers(stack, mode: str, num_layers: int | None = None):
+    """`buffers` of the rows of a `cache.Stack` (batched decoding): (block per layer, head_scale per
+    layer ([B, H] or None), offsets [B, slots], per_head), built once per mode and layer count;
+    None when a layer has nothing to read in `mode`."""
+    key = (mode, num_layers)
+    if key in stack.blocks:
+        return stack.blocks[key]
+    B = len(stack.caches)
+    layers, scales, offsets, per_head = [], [], [], False
+    for dense, sparse in list(zip(stack.dense, stack.sparse))[:num_layers]:
+        slot = sum(o.shape[1] for o in offsets)
+        if mode == "dense" or sparse is None:
+            if dense is None:
+                return None
+            layers.append(Block(dense[0], dense[1], None, slot, 1))
+            offsets.append(torch.zeros(B, 1, dtype=torch.long, device=dense[0].device))
+            scales.append(None)
+        else:
+            k, v, bias, scale, width, offs = sparse
+            layers.append(Block(k, v, bias, slot, width))
+            offsets.append(offs)
+            scales.append(scale)
+            per_head |= width > 1 or bias is not None or scale is not None
+    if layers[0].k.device.type != "cuda":
+        for b in layers:
+            for t in (b.k, b.v):
+                torch._dynamo.mark_dynamic(t, 2)
+            if b.bias is not None:
+                torch._dynamo.mark_dynamic(b.bias, 3)
+    stack.blocks[key] = out = (layers, scales, torch.cat(offsets, 1), per_head)
     return out
 
 
@@ -261,20 +298,20 @@ class FastSteps:
             self.compiled = torch.compile(static_step)
         return self.compiled
 
-    def step(self, cache, mode: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             num_layers: int | None = None) -> torch.Tensor | None:
-        """Logits [1, q, V] through the compiled or captured graph, or None (the caller runs the eager
-        step): not enabled, a layer with no buffer to read, or compilation failed (then disabled for
-        good)."""
+    def step(self, bufs, start: torch.Tensor, input_ids: torch.Tensor,
+             position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, q, V] through the compiled or captured graph over `bufs` (`buffers` or
+        `stack_buffers`) with write positions `start`, or None (the caller runs the eager step): not
+        enabled, a per-head layout kept eager, a batch on the CPU (eager: at B > 1 its attention
+        dominates a step, and one compiled graph per batch size would be compiled in a timed run),
+        or compilation failed (then disabled for good)."""
         if not self.enabled:
             return None
-        bufs = buffers(cache, mode, num_layers)
-        if bufs is None:
-            return None
-        layers, scales, offsets, per_head = bufs
+        layers, scales, _, per_head = bufs
         if per_head and not self.per_head:
             return None
-        start = offsets + cache.length
+        if self.device.type != "cuda" and input_ids.shape[0] > 1:
+            return None
         try:
             if self.device.type == "cuda":
                 out = self.captured(input_ids, position_ids, layers, scales, start)

@@ -65,8 +65,8 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
 
     start: LongTensor broadcastable to [B, Hkv]: where this step's q rows were written, per sequence
     and KV head (row t of head h sees entries 0 .. start[b, h] + t: a compact cache's heads keep
-    different numbers of entries); bias: optional additive [Hkv, G, N] (-inf: query head g of KV
-    head h may not read that entry), shared by the batch. H = Hkv * G."""
+    different numbers of entries); bias: optional additive [Hkv, G, N] shared by the batch, or
+    [B, Hkv, G, N] per sequence (-inf: query head g of KV head h may not read that entry). H = Hkv * G."""
     which = which or backend(query.device)
     if which == "triton":
         return attend_triton(query, k, v, start, scale, bias)
@@ -84,8 +84,8 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     ends = start[..., None, None] + rows[:, None]  # [B or 1, Hkv or 1, q, 1]: the last entry row t sees
     mask = torch.zeros(ends.shape[:3] + (N,), dtype=query.dtype, device=query.device)
     mask = mask.masked_fill(cols > ends, float("-inf"))[:, :, None]  # [B or 1, Hkv or 1, 1, q, N]
-    if bias is not None:
-        mask = mask + bias[None, :, :, None, :].to(query.dtype)
+    if bias is not None:  # [Hkv, G, N] or per sequence [B, Hkv, G, N]
+        mask = mask + (bias[None] if bias.dim() == 3 else bias)[:, :, :, None, :].to(query.dtype)
     mask = mask.expand(-1, -1, G, q, N).reshape(mask.shape[0], mask.shape[1], G * q, N)  # rows g * q + t
     out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
@@ -124,7 +124,7 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
     l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
     bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
-    bs = bias.stride() if bias is not None else (0, 0, 0)
+    bs = ((0,) + bias.stride() if bias.dim() == 3 else bias.stride()) if bias is not None else (0, 0, 0, 0)
     split_kv[(B * Hkv, splits)](
         query, k, v, start, bias_t, o_part, l_part,
         *query.stride(), *k.stride(), *v.stride(), *bs,
@@ -164,6 +164,6 @@ def reference(query, k, v, start, scale, bias=None) -> torch.Tensor:
                 n = int(starts[b, h // G]) + t + 1
                 s = query[b, h, t].double() @ k[b, h // G, :n].double().T * scale
                 if bias is not None:
-                    s = s + bias[h // G, h % G, :n].double()
+                    s = s + (bias if bias.dim() == 3 else bias[b])[h // G, h % G, :n].double()
                 out[b, t, h] = torch.softmax(s, -1) @ v[b, h // G, :n].double()
     return out

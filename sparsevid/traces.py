@@ -124,6 +124,7 @@ class Trace:
     decode_runs_s: list[float] = field(default_factory=list)  # each timing pass's decode time (runs.compare)
     dense_pair_s: list[float] = field(default_factory=list)  # the dense decode time each pass is paired with
     fast_steps: int = 0  # decode steps (and verification passes) served by a compiled or captured graph
+    batch: int = 1  # prompts decoded together (batched decoding: step times are the batch's)
 
     @property
     def total_s(self) -> float:

@@ -59,8 +59,8 @@ def test_refresh_on_and_off_both_exact(inputs_for):
 class ContraryDraft(PolicyDraft):
     """A draft that proposes the token its logits like least: dense rejects (almost) everything."""
 
-    def forward(self, loaded, run, tokens):
-        return -super().forward(loaded, run, tokens)
+    def scores(self, logits):
+        return -logits
 
 
 def test_every_draft_rejected_still_exact(inputs_for):
