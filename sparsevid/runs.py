@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .adapters import VideoInputs
-from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, speculative_decode
+from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, decode_rows, speculative_decode_rows
 from .methods import METHODS, check_settings, configure, parse_methods
 from .metrics import efficiency_pct, ratios
 from .models import Loaded
@@ -50,6 +50,15 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
                on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0) -> Trace:
     """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`);
     `capacity_tokens`: its cache sized for that many tokens (`engine.decode`)."""
+    cb = None if on_token is None else (lambda row, tok: on_token(tok))
+    return run_rows(loaded, [inputs], name, settings, max_new_tokens, sampling, cb, capacity_tokens)[0]
+
+
+def run_rows(loaded: Loaded, inputs: list[VideoInputs], name: str, settings: dict | None = None,
+             max_new_tokens: int = 96, sampling: Sampling = Sampling(),
+             on_token: Callable[[int, int], None] | None = None, capacity_tokens: int = 0) -> list[Trace]:
+    """`run_method` of several prompts decoded together (batched decoding): one trace per row;
+    `on_token(row, token)`."""
     method = METHODS[name]
     config, spec = configure(name, settings)
     hs = None
@@ -58,25 +67,26 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
     kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token,
               capacity_tokens=capacity_tokens)
     if method.kind == "dense":
-        trace = decode(loaded, inputs, **kw)
+        traces = decode_rows(loaded, inputs, **kw)
     elif method.kind == "direct":
-        trace = decode(loaded, inputs, policy=config, **kw)
+        traces = decode_rows(loaded, inputs, policy=config, **kw)
     else:
         draft = (LayerSkipDraft(config.draft_layers(loaded.num_layers)) if hasattr(config, "draft_layers")
                  else PolicyDraft(config, refresh=spec.refresh))
-        trace = speculative_decode(loaded, inputs, draft, gamma=spec.gamma, adaptive=spec.adaptive_gamma, **kw)
-    if config is not None:
-        trace.config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("scores", "caps")
-                          and not k.startswith("_")}
-        trace.config["route_prefill"] = bool(getattr(config, "route_prefill", False))
-    if spec is not None:
-        trace.config.update(dataclasses.asdict(spec))
-    if hs is not None:
-        trace.head_scores = dict(score_map=hs.head_scores.numpy(), kv_scores=hs.scores.numpy(),
-                                 caps=config.caps.numpy() if config.caps is not None else None,
-                                 file=hs.meta.get("file") or "uniform (no calibration file)",
-                                 uniform=bool(hs.meta.get("uniform")), top5_mass=hs.top_mass())
-    return trace
+        traces = speculative_decode_rows(loaded, inputs, draft, gamma=spec.gamma, adaptive=spec.adaptive_gamma, **kw)
+    for trace in traces:
+        if config is not None:
+            trace.config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("scores", "caps")
+                            and not k.startswith("_")}
+            trace.config["route_prefill"] = bool(getattr(config, "route_prefill", False))
+        if spec is not None:
+            trace.config.update(dataclasses.asdict(spec))
+        if hs is not None:
+            trace.head_scores = dict(score_map=hs.head_scores.numpy(), kv_scores=hs.scores.numpy(),
+                                     caps=config.caps.numpy() if config.caps is not None else None,
+                                     file=hs.meta.get("file") or "uniform (no calibration file)",
+                                     uniform=bool(hs.meta.get("uniform")), top5_mass=hs.top_mass())
+    return traces
 
 
 def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> dict:
