@@ -241,6 +241,11 @@ def _row_callback(on_token):
     return None if on_token is None else (lambda row, tok: on_token(tok))
 
 
+def _generators(s: Sampling, device, rows: int, seeds: list[int] | None) -> list[torch.Generator]:
+    """One random generator per row, seeded with `seeds[b]` (default: `s.seed` for every row)."""
+    return [torch.Generator(device=device).manual_seed(seed) for seed in (seeds or [s.seed] * rows)]
+
+
 def _choose_rows(logits: list[torch.Tensor], s: Sampling, gens: list) -> list[int]:
     """Each row's next token from its logits [V] (greedy: one argmax for the batch, one sync)."""
     if s.greedy:
@@ -259,19 +264,21 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, on_token: Callable[[int], Non
 def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "dense", policy=None,
                 max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                 on_token: Callable[[int, int], None] | None = None, keep_stats: bool = False,
-                run_out: list | None = None, capacity_tokens: int = 0) -> list[Trace]:
+                run_out: list | None = None, capacity_tokens: int = 0, seeds: list[int] | None = None) -> list[Trace]:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only) of one
     or several prompts decoded together (batched: one step serves every row; each row is prefilled
     on its own, keeps its own lengths, positions and selections, and leaves the batch when it ends).
     `on_token(row, token)` as each row's tokens come. `run_out`, if given, receives each `Run` (its
     prefill statistics, for evaluation figures). `capacity_tokens`: size the caches for that many
     tokens (a warm-up run sized as the runs it prepares, so their buffers and graphs are the ones
-    it captured). A row's `decode_s` runs from the end of the batch's prefills to its last token."""
+    it captured). A row's `decode_s` runs from the end of the batch's prefills to its last token.
+    `seeds`: each row's random seed when sampling (default `sampling.seed` for every row: each row
+    draws as its own one-row run would)."""
     dev = loaded.device
     eos = sampling.eos(loaded)
     runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
                     keep_stats=keep_stats) for x in inputs]
-    gens = [sampling.generator(dev) for _ in runs]
+    gens = _generators(sampling, dev, len(runs), seeds)
     B = len(runs)
     sync(dev)
     _reset_peak(dev)
@@ -495,7 +502,7 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, on_token: 
 def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *, method: str = "std",
                             gamma: int = 9, adaptive: bool = False, max_new_tokens: int = 96,
                             sampling: Sampling = Sampling(), on_token: Callable[[int, int], None] | None = None,
-                            capacity_tokens: int = 0) -> list[Trace]:
+                            capacity_tokens: int = 0, seeds: list[int] | None = None) -> list[Trace]:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et
     al.'s acceptance rule), of one or several prompts decoded together (each row with its own copy
     of `draft`, its own caches, lengths and random generator).
@@ -507,7 +514,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
     argmax. Sampling: accept draft token x with probability min(1, p(x)/q(x)), else resample from
     norm(max(p - q, 0)). Rollback of either cache is a change of its length, per row. A row that
     ends leaves the batch. With `adaptive`, each round's γ (at most `gamma`, 0 = a plain dense step)
-    comes from the batch's measured costs and every row's acceptance (`GammaPlan`).
+    comes from the batch's measured costs and every row's acceptance (`GammaPlan`). `seeds`: as
+    in `decode_rows`.
     """
     dev = loaded.device
     eos = sampling.eos(loaded)
@@ -516,7 +524,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
     drafts = [copy.copy(draft) for _ in range(B)]
     runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
                     copy_all=not refresh) for x in inputs]
-    gens = [sampling.generator(dev) for _ in runs]
+    gens = _generators(sampling, dev, B, seeds)
     sync(dev)
     _reset_peak(dev)
     outs, prefill_s = [], []

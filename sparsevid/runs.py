@@ -56,16 +56,17 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
 
 def run_rows(loaded: Loaded, inputs: list[VideoInputs], name: str, settings: dict | None = None,
              max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-             on_token: Callable[[int, int], None] | None = None, capacity_tokens: int = 0) -> list[Trace]:
+             on_token: Callable[[int, int], None] | None = None, capacity_tokens: int = 0,
+             seeds: list[int] | None = None) -> list[Trace]:
     """`run_method` of several prompts decoded together (batched decoding): one trace per row;
-    `on_token(row, token)`."""
+    `on_token(row, token)`; `seeds`: each row's random seed when sampling (default: `sampling.seed`)."""
     method = METHODS[name]
     config, spec = configure(name, settings)
     hs = None
     if getattr(config, "needs_head_scores", False):
         config, hs = _with_head_scores(config, loaded)
     kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token,
-              capacity_tokens=capacity_tokens)
+              capacity_tokens=capacity_tokens, seeds=seeds)
     if method.kind == "dense":
         traces = decode_rows(loaded, inputs, **kw)
     elif method.kind == "direct":

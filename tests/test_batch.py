@@ -1,0 +1,159 @@
+"""Batched decoding: B prompts of different lengths decoded together give every row the tokens of
+its own one-row run, for every method, on every tiny architecture; rows end at different steps and
+reject drafts at different positions; sampling per row keeps dense's distribution."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from sparsevid import engine, kernels, runs
+from sparsevid.cache import write_at
+from sparsevid.engine import Sampling
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
+
+SETTINGS = {  # really sparse drafts and selections, several rounds
+    "dense": {},
+    "std": {"k": "0.25", "gamma": "3"},
+    "streaming": {"k": "0.25", "sinks": "2", "gamma": "3"},
+    "layerskip": {"gamma": "3"},
+    "htsparse-draft": {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all",
+                       "ht_by_group": "false", "gamma": "3"},
+    "sparsemm-draft": {"budget": "0.3", "window": "4", "gamma": "3"},
+    "htsparse": {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all"},
+    "sparsemm": {"budget": "0.3", "window": "4"},
+}
+
+
+def clip(n, seed, size=112):
+    return (np.random.RandomState(seed).rand(n, size, size, 3) * 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def ragged(tiny_loaded):
+    """ragged(arch) -> (loaded, [inputs of 3 prompts of different lengths and questions])."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            loaded = tiny_loaded(arch)
+            cache[arch] = (loaded, [loaded.adapter.build_inputs(clip(n, seed), q) for n, seed, q in
+                                    ((8, 0, "what colour is the object ?"), (4, 1, "how many ?"),
+                                     (12, 2, "describe the moving square in the video please"))])
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.filterwarnings("ignore:SparseMM")  # tiny models have no calibration: uniform scores
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch):
+    loaded, inputs = ragged(arch)
+    assert len({x.m for x in inputs}) == 3
+    # An end token the first row says early (and the others may say at other steps): rows end apart.
+    first = runs.run_method(loaded, inputs[0], "dense", max_new_tokens=12).token_ids
+    monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [first[3]]))
+    for name, settings in SETTINGS.items():
+        one = [runs.run_method(loaded, x, name, settings, max_new_tokens=12) for x in inputs]
+        batch = runs.run_rows(loaded, inputs, name, settings, max_new_tokens=12)
+        assert [t.token_ids for t in batch] == [t.token_ids for t in one], name
+        assert all(t.batch == 3 for t in batch)
+        if batch[0].kind != "direct":  # lossless: dense's tokens, so the first row ends by its 4th token
+            assert len(batch[0].token_ids) <= 4 < max(len(t.token_ids) for t in batch), name
+        if batch[0].kind == "direct":  # the same selections per row
+            for a, b in zip(one, batch):
+                assert all(np.array_equal(x, y) for layer in a.layers for x, y in
+                           zip(a.layers[layer].kept, b.layers[layer].kept))
+    # a draft close to dense (90 % of the visual tokens): rows accept different numbers of tokens
+    one = [runs.run_method(loaded, x, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12) for x in inputs]
+    batch = runs.run_rows(loaded, inputs, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12)
+    assert [t.token_ids for t in batch] == [t.token_ids for t in one]
+    assert len({r.accepted for t in batch for r in t.rounds}) >= 2
+
+
+def test_a_batch_stacks_the_rows_once_and_drops_rows_that_end(ragged, monkeypatch):
+    """The rows share one buffer per layer ([B, ...]) while all decode, and a smaller one after a
+    row ends; each row's cache is a view of it (rollback and refresh stay per row)."""
+    from sparsevid import cache as cache_mod
+
+    loaded, inputs = ragged("qwen2_vl")
+    sizes = []
+    real = cache_mod.Stack.__init__
+
+    def spy(self, caches, *a, **k):
+        sizes.append(len(caches))
+        real(self, caches, *a, **k)
+
+    monkeypatch.setattr(cache_mod.Stack, "__init__", spy)
+    first = runs.run_method(loaded, inputs[0], "dense", max_new_tokens=12).token_ids
+    monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [first[3]]))
+    runs.run_rows(loaded, inputs, "std", SETTINGS["std"], max_new_tokens=12)
+    assert sizes[0] == 3 and sizes[-1] < 3 and sizes == sorted(sizes, reverse=True)
+
+
+def test_write_at_per_row_and_head_positions():
+    buf = torch.zeros(2, 3, 10, 4)
+    x = torch.randn(2, 3, 2, 4)
+    pos = torch.tensor([[[1, 2], [5, 6], [0, 1]], [[7, 8], [3, 4], [2, 3]]])
+    write_at(buf, pos, x)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(buf[b, h, pos[b, h]], x[b, h])
+    assert int((buf.abs().sum(-1) > 0).sum()) == 12
+
+
+@pytest.mark.parametrize("which", kernels.BACKENDS)
+def test_attend_with_per_sequence_masks_matches_the_reference(which):
+    if which == "triton" and not kernels.triton_available():
+        pytest.skip("triton not installed")
+    torch.manual_seed(0)
+    B, Hkv, G, N, D, q = 3, 2, 3, 40, 16, 2
+    query = torch.randn(B, Hkv * G, q, D)
+    k, v = torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    start = torch.tensor([[30, 12], [5, 5], [37, 20]])
+    bias = torch.zeros(B, Hkv, G, N).masked_fill_(torch.rand(B, Hkv, G, N) < 0.3, float("-inf"))
+    bias[..., 0] = 0  # every row sees an entry
+    out = kernels.attend(query, k, v, start, 0.25, bias, which=which)
+    ref = kernels.reference(query, k, v, start, 0.25, bias)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:SparseMM")
+def test_batched_speculative_sampling_matches_dense_distribution(tiny_loaded, frames):
+    """The chi-square test of `test_house`, batched: 300 sampled speculative runs as 30 batches of 10
+    rows (each row its own seed) against 300 one-row dense runs; tokens 1-6, std draft k 0.1, γ 1.
+    Every row also equals its own one-row run with the same seed."""
+    from scipy.stats import chi2_contingency
+
+    from sparsevid.models import load_model
+    from sparsevid.tiny import make_tiny_model
+    import tempfile
+
+    folder = make_tiny_model("qwen2_vl", tempfile.mkdtemp(), initializer_range=0.5)  # peaked distributions
+    loaded = load_model(folder, device="cpu", dtype="float32")
+    inputs = loaded.adapter.build_inputs(frames, "what colour is the moving object ?")
+    s = Sampling(temperature=1.0, top_p=0.9, ignore_eos=True)
+    n, length, rows = 300, 7, 10
+    dense = [engine.decode(loaded, inputs, max_new_tokens=length, sampling=dataclasses.replace(s, seed=i)).token_ids
+             for i in range(n)]
+    spec = []
+    for i in range(0, n, rows):
+        seeds = list(range(10_000 + i, 10_000 + i + rows))
+        batch = runs.run_rows(loaded, [inputs] * rows, "std", {"k": "0.1", "gamma": "1"}, max_new_tokens=length,
+                              sampling=s, seeds=seeds)
+        spec += [t.token_ids for t in batch]
+        if i == 0:
+            one = runs.run_method(loaded, inputs, "std", {"k": "0.1", "gamma": "1"}, max_new_tokens=length,
+                                  sampling=dataclasses.replace(s, seed=seeds[3]))
+            assert one.token_ids == spec[3]
+    for pos in range(1, length):
+        a, b = [t[pos] for t in dense], [t[pos] for t in spec]
+        keys = sorted(set(a) | set(b))
+        table = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]])
+        big = table.sum(0) >= 10
+        table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+        table = table[:, table.sum(0) > 0]
+        assert table.shape[1] >= 2
+        assert chi2_contingency(table)[1] > 0.001, pos
