@@ -47,7 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--visual-tokens", default=None, help="for --shape (default 4096,16384,32768) and "
                    "--verify-kernels (default 4608,9216)")
     p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
-    p.add_argument("--batch", default="1", help="for --shape: comma list of batch sizes (the StD paper: 8)")
+    p.add_argument("--batch", default="1", help="comma list of batch sizes (the StD paper: 8): prompts decoded "
+                   "together (held-out toy clips of each --frames; batch 1 runs the same prompts one at a time); "
+                   "with --shape: step costs at each")
     p.add_argument("--seq", default=None, help="for --shape: comma list of prompt lengths (visual tokens + 64 text "
                    "tokens), instead of --visual-tokens")
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
@@ -148,6 +150,8 @@ def bench_main(args) -> int:
     enable(loaded, args.compile)  # compiled in the first warm-up (`runs.warm_up`)
     if args.examples:
         return examples_check(args, loaded, names, settings)
+    if str(args.batch) != "1":
+        return batch_bench(args, loaded, names, settings)
     compiled = []  # (eager dense step, compiled dense step, same tokens) per clip and repeat
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
@@ -201,6 +205,87 @@ def bench_main(args) -> int:
     if costs:
         print()
         print(format_cost_table(costs))
+    return 0
+
+
+def batch_bench(args, loaded, names: list, settings: dict) -> int:
+    """Batched decoding (`--batch 1,8`): at each frame count, the largest batch's worth of held-out toy
+    clips (`--types`), decoded in batches of each size (batch 1: one at a time), dense and each
+    method, every method's pass between two dense passes (paired, medians over --repeats). A pass's
+    tokens/s is every row's tokens over the summed decode time of its batches (a batch's decode
+    time ends with its last row); each method's figures against dense per row (acceptance, the
+    bound from the run's own step costs) are medians over rows."""
+    from .runs import run_rows
+
+    batches = sorted({int(b) for b in str(args.batch).split(",")})
+    if batches[0] < 1:
+        raise InputError(f"--batch must list sizes >= 1, not {args.batch!r}.")
+    decoding = Sampling(ignore_eos=args.ignore_eos)
+    rows = []
+    frame_counts = [int(f) for f in str(args.frames).split(",")]
+    bar = tqdm(total=len(frame_counts) * len(batches) * (1 + args.repeats) * (1 + 2 * len(names)), desc="bench",
+               file=sys.stderr)
+    try:
+        for F in frame_counts:
+            clips = toy_clips(max(batches), F, args.types)
+            inputs = [loaded.adapter.build_inputs(f, q).to(loaded.device) for f, q, _ in clips]
+            warm_up(loaded, inputs[0], names=names, settings=settings, max_new_tokens=args.max_new_tokens)
+            dense1 = None
+            for B in batches:
+                def run(name):
+                    traces, decode_s = [], 0.0
+                    for i in range(0, len(inputs), B):
+                        part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
+                        traces += part
+                        decode_s += max(t.decode_s for t in part)
+                    bar.update()
+                    return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
+
+                for name in names:  # first calls at this batch size (CUDA: graph captures) outside the timing
+                    run(name)
+                after = run("dense")
+                per = {name: [] for name in names}
+                dense_tok_s = [after[1]]
+                for _ in range(args.repeats):
+                    for name in names:
+                        dense = after
+                        res = run(name)
+                        after = run("dense")
+                        dense_tok_s.append(after[1])
+                        figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
+                        per[name].append(dict(
+                            speedup=res[1] / ((dense[1] + after[1]) / 2),
+                            identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),
+                            acceptance=_median([f.get("acceptance") for f in figs]),
+                            bound=_median([f.get("bound_speedup") for f in figs]),
+                            tok_s=res[1]))
+                dense_rate = statistics.median(dense_tok_s)
+                dense1 = dense1 or dense_rate
+                for name in names:
+                    p = per[name]
+                    row = dict(frames=F, visual_tokens=inputs[0].m_v, batch=B, method=name, rows=len(inputs),
+                               dense_tok_s=dense_rate, dense_vs_batch1=dense_rate / dense1,
+                               tok_s=_median([x["tok_s"] for x in p]), speedup=_median([x["speedup"] for x in p]),
+                               identical_to_dense=all(x["identical"] for x in p),
+                               acceptance=_median([x["acceptance"] for x in p]),
+                               bound_speedup=_median([x["bound"] for x in p]))
+                    if row["speedup"] and row["bound_speedup"]:
+                        row["bound_share"] = row["speedup"] / row["bound_speedup"]
+                    rows.append(row)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
+                              ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), compile=state(loaded),
+                              rows=rows)))
+        return 0
+    print(f"decode steps: {state(loaded)} (batches of more than one row: eager on the CPU)")
+    cols = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), ("batch", "batch", "g"),
+            ("method", "method", ""), ("dense tok/s", "dense_tok_s", ""), ("dense vs batch 1", "dense_vs_batch1", "x"),
+            ("method tok/s", "tok_s", ""), ("decode speedup", "speedup", "x"), ("identical", "identical_to_dense", ""),
+            ("acceptance", "acceptance", "pct"), ("bound from step costs", "bound_speedup", "x"),
+            ("share of bound", "bound_share", "pct")]
+    print(markdown_table([c[0] for c in cols], [[cell(r.get(k), kind) for _, k, kind in cols] for r in rows]))
     return 0
 
 

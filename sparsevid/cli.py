@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
     from .methods import check_settings, parse_methods
     from .models import load_model
     from .fast import enable as enable_steps, state as fast_state
-    from .runs import compare
+    from .runs import compare, compare_rows
     from .video import load_video
 
     names = parse_methods(args.methods)
@@ -73,7 +73,9 @@ def cmd_run(args) -> int:
         bar.set_postfix_str("loading model")
         loaded = load_model(args.model, args.device, args.dtype)
         bar.update()
-        inputs = loaded.adapter.build_inputs(video.frames, args.question, video.timestamps).to(loaded.device)
+        batch = [loaded.adapter.build_inputs(video.frames, q, video.timestamps).to(loaded.device)
+                 for q in args.question]
+        inputs = batch[0]
         bar.update()
         if enable_steps(loaded, args.compile) is not None:  # compiled in `compare`'s warm-up
             bar.set_postfix_str("warm-up: compiling decode steps")
@@ -82,10 +84,38 @@ def cmd_run(args) -> int:
             bar.set_postfix_str(trace.method)
             bar.update()
 
-        traces, figs = compare(loaded, inputs, names, settings, args.max_new_tokens,
-                               Sampling(args.temperature, args.top_p, args.seed), on_result=done, repeats=args.repeats)
+        sampling = Sampling(args.temperature, args.top_p, args.seed)
+        if len(batch) == 1:
+            results = [compare(loaded, inputs, names, settings, args.max_new_tokens, sampling, on_result=done,
+                               repeats=args.repeats)]
+        else:  # several questions: every method decodes them together, one pass
+            results = compare_rows(loaded, batch, names, settings, args.max_new_tokens, sampling)
+            bar.update(len(names))
     finally:
         bar.close()
+    if len(results) > 1:
+        if args.json:
+            print(json.dumps(dict(model=loaded.name, device=str(loaded.device), compile=fast_state(loaded),
+                                  video=dict(file=os.path.basename(args.video), frames=len(video.frames)),
+                                  batch=[dict(question=q, visual_tokens=x.m_v, prompt_tokens=x.m,
+                                              methods={n: dict(t.to_json(), **f.get(n, {})) for n, t in tr.items()})
+                                         for q, x, (tr, f) in zip(args.question, batch, results)])))
+            return 0
+        print(f"{loaded.name}: {len(video.frames)} frames, {inputs.m_v} visual tokens, {len(batch)} questions "
+              "decoded together")
+        for q, (tr, f) in zip(args.question, results):
+            print(f"Q: {q}")
+            for n, t in tr.items():
+                sp = f.get(n, {}).get("speedup")
+                extra = "" if n == "dense" else (f"  decode speedup {sp:.2f}x" if sp else "  decode speedup -") + (
+                    "  identical to dense" if f[n]["identical_to_dense"] else "  differs from dense")
+                print(f"  [{n}] {t.text!r}{extra}")
+        dense = [tr["dense"] for tr, _ in results]
+        tokens = sum(len(t.token_ids) - 1 for t in dense)
+        print(f"dense batch: {tokens} tokens in {max(t.decode_s for t in dense) * 1e3:.0f} ms "
+              f"({tokens / max(max(t.decode_s for t in dense), 1e-9):.1f} tok/s)")
+        return 0
+    traces, figs = results[0]
     if args.json:
         out = dict(model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
                    compile=fast_state(loaded),
@@ -147,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="one video and question through chosen methods, compared with dense")
     p.add_argument("video")
-    p.add_argument("question")
+    p.add_argument("question", nargs="+", help="one question, or several: decoded together (batched decoding)")
     add_model_args(p, compile_default="off")
     add_method_args(p)
     p.add_argument("--frames", type=int, default=16)

@@ -166,30 +166,55 @@ def is_correct(text: str, item: dict) -> bool | None:
 def run_item(loaded, item: dict, names: list[str], settings: dict, sampling, settings_dict: dict,
              frames: int, max_new_tokens: int) -> list[dict]:
     """One row per method for one manifest item; rows with `error` when the item fails."""
+    return run_items(loaded, [item], names, settings, sampling, settings_dict, frames, max_new_tokens)
+
+
+def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampling, settings_dict: dict,
+              frames: int, max_new_tokens: int) -> list[dict]:
+    """One row per method for each manifest item, the items decoded together (`--batch`: one batch;
+    one item: `runs.compare`); an item that fails (its video, its question) gets rows with `error`
+    and the others go on."""
     from .errors import SparsevidError
-    from .runs import compare
+    from .runs import compare, compare_rows
     from .video import load_video
 
-    ref = item.get("answer")
-    base = dict(id=item["id"], video=item["video"], question=item["question"], reference=ref,
-                settings=settings_dict)
+    def error(e):
+        return str(e) if isinstance(e, SparsevidError) else f"{type(e).__name__}: {e}"
+
+    def base(item):
+        return dict(id=item["id"], video=item["video"], question=item["question"], reference=item.get("answer"),
+                    settings=settings_dict)
+
+    rows, ok = [], []
+    for item in items:
+        try:
+            video = load_video(item["path"], int(item.get("frames") or frames))
+            inputs = loaded.adapter.build_inputs(video.frames, item["question"], video.timestamps).to(loaded.device)
+            ok.append((item, video, inputs))
+        except Exception as e:  # recorded; the run goes on (KeyboardInterrupt is not an Exception)
+            rows += [dict(base(item), method=name, error=error(e)) for name in names]
+    if not ok:
+        return rows
     try:
-        video = load_video(item["path"], int(item.get("frames") or frames))
-        inputs = loaded.adapter.build_inputs(video.frames, item["question"], video.timestamps).to(loaded.device)
-        traces, figs = compare(loaded, inputs, names, settings, max_new_tokens, sampling)
-    except Exception as e:  # recorded; the run goes on (KeyboardInterrupt is not an Exception)
-        msg = str(e) if isinstance(e, SparsevidError) else f"{type(e).__name__}: {e}"
-        return [dict(base, method=name, error=msg) for name in names]
-    rows = []
-    for name, res in traces.items():
-        row = dict(base, method=name, frames=len(video.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m)
-        row.update(res.to_json())
-        row.update(figs.get(name, {}))
-        if name == "dense":
-            row.update(speedup=1.0, e2e_speedup=1.0, kv_ratio=1.0, identical_to_dense=True)
-        row.setdefault("acceptance", None)  # direct methods and dense have none
-        row["correct"] = is_correct(res.text, item)
-        rows.append(row)
+        if len(ok) == 1:
+            results = [compare(loaded, ok[0][2], names, settings, max_new_tokens, sampling)]
+        else:
+            results = compare_rows(loaded, [x for _, _, x in ok], names, settings, max_new_tokens, sampling)
+    except Exception as e:
+        return rows + [dict(base(item), method=name, error=error(e)) for item, _, _ in ok for name in names]
+    batch_s = {name: max(t[name].decode_s for t, _ in results) for name in results[0][0]}
+    for (item, video, inputs), (traces, figs) in zip(ok, results):
+        for name, res in traces.items():
+            # batch_decode_s: the decode time of the batch this item was decoded in (batch_of: its first item)
+            row = dict(base(item), method=name, frames=len(video.frames), visual_tokens=inputs.m_v,
+                       prompt_tokens=inputs.m, batch_of=ok[0][0]["id"], batch_decode_s=batch_s[name])
+            row.update(res.to_json())
+            row.update(figs.get(name, {}))
+            if name == "dense":
+                row.update(speedup=1.0, e2e_speedup=1.0, kv_ratio=1.0, identical_to_dense=True)
+            row.setdefault("acceptance", None)  # direct methods and dense have none
+            row["correct"] = is_correct(res.text, item)
+            rows.append(row)
     return rows
 
 
@@ -211,6 +236,10 @@ def eval_main(args) -> int:
     from .methods import check_settings, parse_methods
     from .models import load_model
 
+    if args.batch < 1:
+        from .errors import InputError
+
+        raise InputError(f"--batch must be at least 1, not {args.batch}.")
     state = distributed_state(args)
     n_proc, rank = state.num_processes, state.process_index
     if n_proc == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and os.environ.get("MASTER_ADDR"):
@@ -250,15 +279,18 @@ def eval_main(args) -> int:
             if n_proc > 1:
                 print(f"eval: process {rank} of {n_proc}: {len(mine)} items on {loaded.device}", file=sys.stderr)
             with open(os.path.join(args.out, JOURNAL.format(rank)), "a") as journal:
-                bar = tqdm(mine, desc="eval", file=sys.stderr, disable=args.quiet or not state.is_main_process)
-                for item in bar:
-                    rows = run_item(loaded, item, names, settings, sampling, settings_dict, args.frames,
-                                    args.max_new_tokens)
+                bar = tqdm(total=len(mine), desc="eval", file=sys.stderr,
+                           disable=args.quiet or not state.is_main_process)
+                for i in range(0, len(mine), args.batch):
+                    rows = run_items(loaded, mine[i:i + args.batch], names, settings, sampling, settings_dict,
+                                     args.frames, args.max_new_tokens)
+                    bar.update(len(mine[i:i + args.batch]))
                     journal.write("".join(json.dumps(r) + "\n" for r in rows))
                     journal.flush()
                     new += rows
-                    if "error" in rows[0]:
-                        bar.write(f"eval: item {item['id']} ({item['video']}): {rows[0]['error']}", file=sys.stderr)
+                    for r in rows:
+                        if "error" in r and r["method"] == names[0]:
+                            bar.write(f"eval: item {r['id']} ({r['video']}): {r['error']}", file=sys.stderr)
     new = gather_object(new)  # all rows in every process (as is in a single process)
 
     if state.is_main_process:
@@ -476,6 +508,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px}}</style></head><body>
 def add_arguments(p) -> None:
     """eval's own flags (the model and method flags come from the CLI)."""
     p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (unless the item sets 'frames')")
+    p.add_argument("--batch", type=int, default=1, help="items decoded together (batched decoding; the StD "
+                   "paper: 8): every method gives each item the answer of a batch of one")
     p.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, report.*)")
     p.add_argument("--report", action="store_true", help="also write report.html and report.md")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

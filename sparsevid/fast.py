@@ -191,9 +191,14 @@ def stack_buffers(stack, mode: str, num_layers: int | None = None):
     if layers[0].k.device.type != "cuda":
         for b in layers:
             for t in (b.k, b.v):
+                torch._dynamo.mark_dynamic(t, 0)
                 torch._dynamo.mark_dynamic(t, 2)
             if b.bias is not None:
+                torch._dynamo.mark_dynamic(b.bias, 0)
                 torch._dynamo.mark_dynamic(b.bias, 3)
+        for sc in scales:
+            if sc is not None:
+                torch._dynamo.mark_dynamic(sc, 0)
     stack.blocks[key] = out = (layers, scales, torch.cat(offsets, 1), per_head)
     return out
 
@@ -265,6 +270,7 @@ class FastSteps:
         self.graphs: dict = {}  # CUDA: (signature, q, layers) -> Captured, most recently used last
         self.captures = 0
         self.capture_s = 0.0
+        self.batched = os.environ.get("SPARSEVID_CPU_BATCH_COMPILE") == "1"  # CPU: batches through the graph too
 
     max_graphs = 48
 
@@ -310,7 +316,7 @@ class FastSteps:
         layers, scales, _, per_head = bufs
         if per_head and not self.per_head:
             return None
-        if self.device.type != "cuda" and input_ids.shape[0] > 1:
+        if self.device.type != "cuda" and input_ids.shape[0] > 1 and not self.batched:
             return None
         try:
             if self.device.type == "cuda":
@@ -319,6 +325,10 @@ class FastSteps:
                 if input_ids.shape[1] > 1:  # a verification pass: one graph for every γ
                     torch._dynamo.mark_dynamic(input_ids, 1)
                     torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 1)
+                if input_ids.shape[0] > 1:  # a batch: one graph for every batch size
+                    torch._dynamo.mark_dynamic(input_ids, 0)
+                    torch._dynamo.mark_dynamic(position_ids, position_ids.dim() - 2)
+                    torch._dynamo.mark_dynamic(start, 0)
                 out = self.compiled_step()(self.model, input_ids, position_ids, layers, scales, start)
         except Exception as e:  # never fail a run because compilation failed: eager from now on
             root = getattr(e, "inner_exception", None) or e  # a backend's own error, not dynamo's wrapper

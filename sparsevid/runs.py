@@ -259,3 +259,26 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}
+
+
+def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | str, settings: dict | None = None,
+                 max_new_tokens: int = 96, sampling: Sampling = Sampling(),
+                 warmup: bool = True) -> list[tuple[dict[str, Trace], dict[str, dict]]]:
+    """`compare` of several prompts decoded together (batched decoding; `eval --batch`): dense, each
+    method and dense again, each over all the rows in one batch; per row ({method: trace}, {method:
+    figures}), each method's row paired with the mean of dense's two runs of that row."""
+    names = parse_methods(names)
+    settings = check_settings(settings)
+    if warmup:
+        warm_up(loaded, inputs[0], None, names, settings, max_new_tokens)
+    first = run_rows(loaded, inputs, "dense", settings, max_new_tokens, sampling)
+    traces = {name: run_rows(loaded, inputs, name, settings, max_new_tokens, sampling) for name in names[1:]}
+    last = run_rows(loaded, inputs, "dense", settings, max_new_tokens, sampling) if len(names) > 1 else first
+    out = []
+    for b, x in enumerate(inputs):
+        dense = _median_times([first[b], last[b]])
+        row = {"dense": dense}
+        for name in names[1:]:
+            row[name] = _median_times([traces[name][b]], [dense_pair_s(first[b], last[b])])
+        out.append((row, {name: figures(row[name], dense, loaded, x) for name in names[1:]}))
+    return out

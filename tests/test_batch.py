@@ -157,3 +157,22 @@ def test_batched_speculative_sampling_matches_dense_distribution(tiny_loaded, fr
         table = table[:, table.sum(0) > 0]
         assert table.shape[1] >= 2
         assert chi2_contingency(table)[1] > 0.001, pos
+
+
+def test_run_with_several_questions_decodes_them_together(tiny_model_dir, tmp_path, capsys):
+    """`run VIDEO Q1 Q2 --json`: one entry per question, each method's answer as dense's (lossless)."""
+    import json
+
+    from sparsevid import cli
+    from sparsevid.toy.questions import make_sample
+    from sparsevid.video import write_video
+
+    path = str(tmp_path / "clip.mp4")
+    write_video(path, make_sample(7, 8, "colour").clip.frames, fps=4)
+    assert cli.main(["run", path, "what colour ?", "describe the video", "--model", tiny_model_dir("qwen2_vl"),
+                     "--frames", "8", "--methods", "dense,std", "--max-new-tokens", "6", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [b["question"] for b in out["batch"]] == ["what colour ?", "describe the video"]
+    for b in out["batch"]:
+        assert b["methods"]["std"]["token_ids"] == b["methods"]["dense"]["token_ids"]
+        assert b["methods"]["std"]["batch"] == 2

@@ -142,6 +142,18 @@ def test_accelerate_two_processes_equal_single(single, evalset, model, tmp_path)
            {k: (m["accuracy"], m["items"]) for k, m in b["methods"].items()}
 
 
+def test_batched_eval_gives_every_item_the_answers_of_batch_one(single, evalset, model, tmp_path):
+    """`eval --batch 3`: the four items (one a broken video) decoded in batches: the same answers and
+    errors as one at a time; rows say which batch they were decoded in."""
+    out = tmp_path / "batched"
+    assert cli.main(eval_args(evalset, model, out, "--batch", "3")) == 0
+    assert answers(read(out)) == answers(read(single))
+    rows = [json.loads(line) for line in read(out)]
+    batches = {r["batch_of"] for r in rows if "error" not in r}
+    assert len(batches) == 1 and all(r["batch_decode_s"] >= r["decode_s"] for r in rows if "error" not in r)
+    assert cli.main(eval_args(evalset, model, tmp_path / "zero", "--batch", "0")) == 2
+
+
 def test_resume_runs_only_what_is_missing(single, evalset, model, tmp_path, capsys):
     out = tmp_path / "resumed"
     shutil.copytree(single, out)
