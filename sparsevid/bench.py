@@ -223,8 +223,8 @@ def batch_bench(args, loaded, names: list, settings: dict) -> int:
     decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
     frame_counts = [int(f) for f in str(args.frames).split(",")]
-    bar = tqdm(total=len(frame_counts) * len(batches) * (1 + args.repeats) * (1 + 2 * len(names)), desc="bench",
-               file=sys.stderr)
+    passes = len(names) + 1 + 2 * len(names) * args.repeats  # warm-up of each method, dense, each pair
+    bar = tqdm(total=len(frame_counts) * len(batches) * passes, desc="bench", file=sys.stderr)
     try:
         for F in frame_counts:
             clips = toy_clips(max(batches), F, args.types)

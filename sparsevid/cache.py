@@ -450,8 +450,9 @@ class Stack:
                 self.dense.append((k, v))
             else:
                 self.dense.append(None)
-        moved = [(role, i, part) for i in range(len(caches[0].layers))
-                 for role, parts in (("dense", "kv"), ("sparse", ("k", "v", "bias", "scale"))) for part in parts]
+        moved = [name for i in range(len(caches[0].layers)) for name in
+                 (("dense", i, "k"), ("dense", i, "v"), ("sparse", i, "k"), ("sparse", i, "v"), ("sparse", i, "bias"),
+                  ("sparse", i, "scale"))]
         for c in caches:
             c.static.clear()
             if c.stack is not None and c.stack is not self:

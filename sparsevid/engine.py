@@ -50,8 +50,8 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
-    def generator(self, device) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(self.seed)
+    def generator(self, device, seed: int | None = None) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(self.seed if seed is None else seed)
 
 
 def probs_from_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -179,8 +179,9 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
     nothing reads before it is overwritten. `pad_to`: with captured graphs, a verification pass is
     fed as `pad_to` rows, so one graph serves every γ."""
     caches = [r.cache for r in runs]
-    for c in caches:
-        c.mode = mode if mode is not None else c.mode
+    if mode is not None:
+        for c in caches:
+            c.mode = mode
     dev = loaded.device
     fast = loaded.fast
     rows = max(len(f) for f in feeds)
@@ -241,9 +242,24 @@ def _row_callback(on_token):
     return None if on_token is None else (lambda row, tok: on_token(tok))
 
 
-def _generators(s: Sampling, device, rows: int, seeds: list[int] | None) -> list[torch.Generator]:
-    """One random generator per row, seeded with `seeds[b]` (default: `s.seed` for every row)."""
-    return [torch.Generator(device=device).manual_seed(seed) for seed in (seeds or [s.seed] * rows)]
+def _prefill_rows(loaded: Loaded, inputs: list[VideoInputs], runs: list[Run], sampling: Sampling,
+                  seeds: list[int] | None, on_token) -> tuple[list[list[int]], list[float], list, float]:
+    """Prefill each row on its own (timed apart, after the peak memory is reset) and choose its first
+    token: (tokens per row, prefill seconds per row, a random generator per row (`seeds[b]`,
+    default `sampling.seed` for every row), the time the prefills ended)."""
+    dev = loaded.device
+    gens = [sampling.generator(dev, seed) for seed in (seeds or [None] * len(runs))]
+    sync(dev)
+    _reset_peak(dev)
+    outs, prefill_s = [], []
+    for b, (x, run) in enumerate(zip(inputs, runs)):
+        t0 = time.perf_counter()
+        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
+        sync(dev)
+        prefill_s.append(time.perf_counter() - t0)
+        if on_token is not None:
+            on_token(b, outs[b][0])
+    return outs, prefill_s, gens, time.perf_counter()
 
 
 def _choose_rows(logits: list[torch.Tensor], s: Sampling, gens: list) -> list[int]:
@@ -278,21 +294,14 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
     eos = sampling.eos(loaded)
     runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
                     keep_stats=keep_stats) for x in inputs]
-    gens = _generators(sampling, dev, len(runs), seeds)
+    outs, prefill_s, gens, t1 = _prefill_rows(loaded, inputs, runs, sampling, seeds, on_token)
     B = len(runs)
-    sync(dev)
-    _reset_peak(dev)
-    outs, prefill_s = [], []
-    for b, (x, run) in enumerate(zip(inputs, runs)):
-        t0 = time.perf_counter()
-        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
-        sync(dev)
-        prefill_s.append(time.perf_counter() - t0)
-        if on_token is not None:
-            on_token(b, outs[b][0])
-    t1 = time.perf_counter()
     ended = [t1] * B
-    live = [b for b in range(B) if outs[b][-1] not in eos and len(outs[b]) < max_new_tokens]
+
+    def done(b: int) -> bool:
+        return outs[b][-1] in eos or len(outs[b]) >= max_new_tokens
+
+    live = [b for b in range(B) if not done(b)]
     steps = []
     while live:
         ts = time.perf_counter()
@@ -305,9 +314,9 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
         te = time.perf_counter()
         steps.append(te - ts)
         for b in live:
-            if outs[b][-1] in eos or len(outs[b]) >= max_new_tokens:
+            if done(b):
                 ended[b] = te
-        live = [b for b in live if ended[b] == t1]
+        live = [b for b in live if not done(b)]
     peak = _peak(dev, loaded.pool)
     traces = []
     for b, (x, run) in enumerate(zip(inputs, runs)):
@@ -524,19 +533,9 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
     drafts = [copy.copy(draft) for _ in range(B)]
     runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
                     copy_all=not refresh) for x in inputs]
-    gens = _generators(sampling, dev, B, seeds)
-    sync(dev)
-    _reset_peak(dev)
-    outs, prefill_s = [], []
-    for b, (x, run) in enumerate(zip(inputs, runs)):
-        t0 = time.perf_counter()
-        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
-        sync(dev)
-        prefill_s.append(time.perf_counter() - t0)
-        if on_token is not None:
-            on_token(b, outs[b][0])
-        drafts[b].begin(run, outs[b])
-    t1 = time.perf_counter()
+    outs, prefill_s, gens, t1 = _prefill_rows(loaded, inputs, runs, sampling, seeds, on_token)
+    for d, run, out in zip(drafts, runs, outs):
+        d.begin(run, out)
     rounds: list[list[Round]] = [[] for _ in range(B)]
     ended = [t1] * B
 

@@ -163,12 +163,6 @@ def is_correct(text: str, item: dict) -> bool | None:
     return is_answer(text, [item["answer"], *item.get("answers", [])])
 
 
-def run_item(loaded, item: dict, names: list[str], settings: dict, sampling, settings_dict: dict,
-             frames: int, max_new_tokens: int) -> list[dict]:
-    """One row per method for one manifest item; rows with `error` when the item fails."""
-    return run_items(loaded, [item], names, settings, sampling, settings_dict, frames, max_new_tokens)
-
-
 def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampling, settings_dict: dict,
               frames: int, max_new_tokens: int) -> list[dict]:
     """One row per method for each manifest item, the items decoded together (`--batch`: one batch;

@@ -11,20 +11,13 @@ import torch
 from sparsevid import engine, kernels, runs
 from sparsevid.cache import write_at
 from sparsevid.engine import Sampling
+from test_house import LOSSLESS
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
-SETTINGS = {  # really sparse drafts and selections, several rounds
-    "dense": {},
-    "std": {"k": "0.25", "gamma": "3"},
-    "streaming": {"k": "0.25", "sinks": "2", "gamma": "3"},
-    "layerskip": {"gamma": "3"},
-    "htsparse-draft": {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all",
-                       "ht_by_group": "false", "gamma": "3"},
-    "sparsemm-draft": {"budget": "0.3", "window": "4", "gamma": "3"},
-    "htsparse": {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all"},
-    "sparsemm": {"budget": "0.3", "window": "4"},
-}
+SETTINGS = {"dense": {}, **LOSSLESS,  # really sparse drafts and selections, several rounds
+            "htsparse": {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all"},
+            "sparsemm": {"budget": "0.3", "window": "4"}}
 
 
 def clip(n, seed, size=112):
