@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
     from .methods import check_settings, parse_methods
     from .models import load_model
     from .fast import enable as enable_steps, state as fast_state
-    from .runs import compare, compare_rows
+    from .runs import batch_json, compare, compare_rows
     from .video import load_video
 
     names = parse_methods(args.methods)
@@ -95,11 +95,7 @@ def cmd_run(args) -> int:
         bar.close()
     if len(results) > 1:
         if args.json:
-            print(json.dumps(dict(model=loaded.name, device=str(loaded.device), compile=fast_state(loaded),
-                                  video=dict(file=os.path.basename(args.video), frames=len(video.frames)),
-                                  batch=[dict(question=q, visual_tokens=x.m_v, prompt_tokens=x.m,
-                                              methods={n: dict(t.to_json(), **f.get(n, {})) for n, t in tr.items()})
-                                         for q, x, (tr, f) in zip(args.question, batch, results)])))
+            print(json.dumps(batch_json(loaded, video, args.question, batch, results, fast_state(loaded))))
             return 0
         print(f"{loaded.name}: {len(video.frames)} frames, {inputs.m_v} visual tokens, {len(batch)} questions "
               "decoded together")

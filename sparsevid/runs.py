@@ -262,18 +262,28 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
 
 
 def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | str, settings: dict | None = None,
-                 max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-                 warmup: bool = True) -> list[tuple[dict[str, Trace], dict[str, dict]]]:
-    """`compare` of several prompts decoded together (batched decoding; `eval --batch`): dense, each
-    method and dense again, each over all the rows in one batch; per row ({method: trace}, {method:
-    figures}), each method's row paired with the mean of dense's two runs of that row."""
+                 max_new_tokens: int = 96, sampling: Sampling = Sampling(), warmup: bool = True,
+                 should_stop: Callable[[], bool] | None = None) -> list[tuple[dict[str, Trace], dict[str, dict]]]:
+    """`compare` of several prompts decoded together (batched decoding; `eval --batch`, `run VIDEO Q1
+    Q2`, the app's /compare with several questions): dense, each method and dense again, each over
+    all the rows in one batch; per row ({method: trace}, {method: figures}), each method's row paired
+    with the mean of dense's two runs of that row. `should_stop()` is asked at every token: True
+    raises Cancelled."""
     names = parse_methods(names)
     settings = check_settings(settings)
+
+    def on_token(row: int, tok: int) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled
+
+    def rows(name: str) -> list[Trace]:
+        return run_rows(loaded, inputs, name, settings, max_new_tokens, sampling, on_token)
+
     if warmup:
-        warm_up(loaded, inputs[0], None, names, settings, max_new_tokens)
-    first = run_rows(loaded, inputs, "dense", settings, max_new_tokens, sampling)
-    traces = {name: run_rows(loaded, inputs, name, settings, max_new_tokens, sampling) for name in names[1:]}
-    last = run_rows(loaded, inputs, "dense", settings, max_new_tokens, sampling) if len(names) > 1 else first
+        warm_up(loaded, inputs[0], lambda tok: on_token(0, tok), names, settings, max_new_tokens)
+    first = rows("dense")
+    traces = {name: rows(name) for name in names[1:]}
+    last = rows("dense") if len(names) > 1 else first
     out = []
     for b, x in enumerate(inputs):
         dense = _median_times([first[b], last[b]])
@@ -282,3 +292,22 @@ def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | s
             row[name] = _median_times([traces[name][b]], [dense_pair_s(first[b], last[b])])
         out.append((row, {name: figures(row[name], dense, loaded, x) for name in names[1:]}))
     return out
+
+
+def batch_json(loaded: Loaded, video, questions: list[str], inputs: list[VideoInputs],
+               results: list[tuple[dict[str, Trace], dict[str, dict]]], state: str) -> dict:
+    """`compare_rows`' results as plain data (`run VIDEO Q1 Q2 --json`, the app's /compare with
+    several questions): model, revision, device, dtype, compile (`state`), video {file, frames,
+    duration, timestamps} and batch: per question {question, visual_tokens, prompt_tokens, methods
+    {name: trace.to_json() + its figures}}."""
+    import os
+
+    from .traces import to_plain
+
+    return to_plain(dict(
+        model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
+        compile=state, video=dict(file=os.path.basename(video.path), frames=len(video.frames),
+                                  duration=video.duration, timestamps=video.timestamps),
+        batch=[dict(question=q, visual_tokens=x.m_v, prompt_tokens=x.m,
+                    methods={n: dict(t.to_json(), **f.get(n, {})) for n, t in tr.items()})
+               for q, x, (tr, f) in zip(questions, inputs, results)]))

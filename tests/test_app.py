@@ -435,6 +435,28 @@ def test_app_and_cli_report_the_same_figures():
     assert other.error is None and "expected answer" not in other.status  # same video, another question
 
 
+def test_compare_with_several_questions_decodes_them_together_as_run_does():
+    """/compare with several questions (one per line) on a bundled clip: one batch, the same JSON and
+    tokens per question as `run VIDEO Q1 Q2 --json`; a ninth question is refused in one line."""
+    ex = {e["file"]: e for e in demo.load_examples()}
+    if "toy_describe.mp4" not in ex or not os.path.exists(_appserver.EMBEDDED_CONFIG):
+        pytest.skip("the embedded model or the bundled examples are missing")
+    e = ex["toy_describe.mp4"]
+    qs, frames, new = [e["question"], "How many objects are there?"], int(e["frames"]), 24
+    app = demo.compare_json(e["path"], "\n".join(qs) + "\n", "embedded", frames, ["std"], {}, new)
+    cli = _cli_json(["run", e["path"], *qs, "--methods", "dense,std", "--frames", str(frames), "--max-new-tokens",
+                     str(new), "--json", "--quiet"])
+    assert set(app) == set(cli) and app["video"] == cli["video"] and len(app["batch"]) == 2
+    for a, c, q in zip(app["batch"], cli["batch"], qs):
+        assert a["question"] == c["question"] == q and set(a["methods"]) == {"dense", "std"}
+        for n in a["methods"]:
+            assert a["methods"][n]["token_ids"] == c["methods"][n]["token_ids"], (q, n)
+        assert a["methods"]["std"]["identical_to_dense"]
+    assert len(app["batch"][0]["methods"]["dense"]["token_ids"]) > len(app["batch"][1]["methods"]["dense"]["token_ids"])
+    with pytest.raises(InputError, match="at most 8"):
+        demo.compare_json(e["path"], "\n".join(["How many objects are there?"] * 9), "embedded", frames, [], {}, 4)
+
+
 def test_bench_examples_puts_the_apps_figure_beside_benchs(tmp_path):
     """`bench --examples FOLDER`: each example timed the app's way and bench's way, side by side; an
     example too short for a decode ratio gets none from either."""

@@ -9,6 +9,7 @@ at its next token (its `on_token` raises once the run's stop flag is set).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -21,7 +22,7 @@ from ..errors import InputError, SparsevidError
 from ..fast import state as steps_state
 from ..methods import METHODS, parse_methods
 from .. import runs
-from ..runs import compare, prompt_info
+from ..runs import batch_json, compare, compare_rows, prompt_info
 from ..video import load_video
 from . import backend
 from .config import FRAMES, MAX_MINUTES, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_UPLOAD_MB, TIMING_BUDGET_S, \
@@ -186,17 +187,26 @@ def run_comparison(video: str | None, question: str, model: str | None, n_frames
     generator, or `request_stop(session)`, stops the run: its worker stops at its next token and
     frees the model; a stopped run ends with an Update whose `stopped` is set."""
     t0 = time.perf_counter()
+    with _stop_flag(session) as stop:
+        yield from _run(video, question, model, n_frames, methods, settings, max_new_tokens, min_interval, t0, stop)
+
+
+@contextlib.contextmanager
+def _stop_flag(session: str | None):
+    """A run's stop flag, registered as `session`'s (a session runs one comparison at a time: its
+    previous run is stopped); set when the run ends or its generator is closed, so its worker stops at
+    its next token and nothing waits for it."""
     stop = threading.Event()
     if session is not None:
         with _STOPS_LOCK:
             old = _STOPS.get(session)
             if old is not None:
-                old.set()  # a session runs one comparison at a time
+                old.set()
             _STOPS[session] = stop
     try:
-        yield from _run(video, question, model, n_frames, methods, settings, max_new_tokens, min_interval, t0, stop)
+        yield stop
     finally:
-        stop.set()  # a closed or finished generator: the worker stops at its next token, nothing waits for it
+        stop.set()
         if session is not None:
             with _STOPS_LOCK:
                 if _STOPS.get(session) is stop:
@@ -399,13 +409,81 @@ def compare_json(video: str | None, question: str, model: str | None, n_frames: 
 def compare_stream(video: str | None, question: str, model: str | None, n_frames: int, methods: list[str],
                    settings: dict, max_new_tokens: int, session: str | None = None, every: float = 0.5):
     """`compare_json` as a generator: None while the run goes (at most every `every` seconds), then
-    the result. The API's /compare serves it, so that a client that cancels or disconnects closes
-    it and the run stops at its next token (a plain function would run to its end, holding the model)."""
+    the result. The API's /compare serves it, so that a client that cancels or disconnects closes it
+    and the run stops at its next token (a plain function would run to its end, holding the model).
+    Several questions, one per line (at most MAX_QUESTIONS), are decoded together as one batch
+    (`runs.compare_rows`): the result is then `runs.batch_json`'s dict."""
+    questions = split_questions(question)
+    if len(questions) > 1:
+        yield from _compare_rows_stream(video, questions, model, n_frames, methods, settings, max_new_tokens,
+                                        session, every)
+        return
     last, t = None, time.monotonic()
-    for last in run_comparison(video, question, model, n_frames, methods, settings, max_new_tokens, session=session):
+    for last in run_comparison(video, questions[0], model, n_frames, methods, settings, max_new_tokens, session=session):
         if time.monotonic() - t >= every:
             t = time.monotonic()
             yield None
     if last is None or last.result is None:
         raise InputError(last.error if last is not None and last.error else "The run stopped before its end.")
     yield dict(last.result, note=last.note) if last.note else last.result
+
+
+MAX_QUESTIONS = 8  # the StD paper's batch
+
+
+def split_questions(text: str | None) -> list[str]:
+    """The questions in `text`, one per non-blank line (a single question may be empty: `_check`
+    says so). More than MAX_QUESTIONS is refused."""
+    questions = [q.strip() for q in (text or "").splitlines() if q.strip()] or [text or ""]
+    if len(questions) > MAX_QUESTIONS:
+        raise InputError(f"{len(questions)} questions (one per line); at most {MAX_QUESTIONS} are decoded together.")
+    return questions
+
+
+def _compare_rows_stream(video, questions, model, n_frames, methods, settings, max_new_tokens, session, every):
+    """Several questions on one video decoded together (`runs.compare_rows`), in a worker thread that
+    holds the run lock like `_run`'s: None every `every` seconds while it goes, then the result
+    (`runs.batch_json`, plus `note` where a question is outside the model's scope). Closing the
+    generator stops the run at its next token."""
+    try:
+        questions = [check_question(q, MAX_QUESTION_CHARS) for q in questions]
+        _, names, n_frames, max_new_tokens = _check(video, questions[0], n_frames, methods, settings, max_new_tokens)
+        model = model or backend.default_model()
+        note = " ".join(dict.fromkeys(n for n in (scope_note(q, model) for q in questions) if n))
+        vid = load_video(video, n_frames, max_bytes=MAX_UPLOAD_MB * 2**20, max_duration=MAX_MINUTES * 60)
+        settings = settings_from(settings)
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback
+        raise InputError(_failure(e, "batched comparison (before decoding)")) from None
+    done: queue.Queue = queue.Queue()
+    with _stop_flag(session) as stop:
+        def work():
+            with backend.RUN_LOCK:
+                try:
+                    if stop.is_set():
+                        raise runs.Cancelled
+                    loaded = backend.get_model(model)
+                    run = [n for n in names if n not in backend.broken_methods(model)]
+                    batch = [loaded.adapter.build_inputs(vid.frames, q, vid.timestamps).to(loaded.device)
+                             for q in questions]
+                    results = compare_rows(loaded, batch, run, settings, max_new_tokens, should_stop=stop.is_set)
+                    done.put(batch_json(loaded, vid, questions, batch, results, steps_state(loaded)))
+                except runs.Cancelled:
+                    log.info("batched run cancelled")
+                    done.put(None)
+                except BaseException as e:  # noqa: BLE001 - handed to the generator, which reports it
+                    done.put(e)
+
+        threading.Thread(target=work, name="sparsevid-compare-rows", daemon=True).start()
+        while True:
+            try:
+                out = done.get(timeout=every)
+                break
+            except queue.Empty:
+                yield None
+    if isinstance(out, SparsevidError):
+        raise out
+    if isinstance(out, BaseException):
+        raise InputError(_failure(out, "batched comparison")) from None
+    if out is None:
+        raise InputError("The run stopped before its end.")
+    yield dict(out, note=note) if note else out
