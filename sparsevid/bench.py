@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", default="1", help="comma list of batch sizes (the StD paper: 8): prompts decoded "
                    "together (held-out toy clips of each --frames; batch 1 runs the same prompts one at a time); "
                    "with --shape: step costs at each")
+    p.add_argument("--rounds", action="store_true", help="with --shape: real rounds (prefill, dense and each "
+                   "method's decoding) of a whole model at the shape, random weights, on one random clip of --seq "
+                   "visual tokens with --batch questions decoded together")
     p.add_argument("--seq", default=None, help="for --shape: comma list of prompt lengths (visual tokens + 64 text "
                    "tokens), instead of --visual-tokens")
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
@@ -143,7 +146,7 @@ def bench_main(args) -> int:
     if args.verify_kernels:
         return verify_kernels(args)
     if args.shape:
-        return mechanical(args)
+        return shape_rounds(args) if args.rounds else mechanical(args)
     loaded = load_model(args.model, args.device, args.dtype)
     settings = check_settings(args.settings)
     names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
@@ -210,83 +213,192 @@ def bench_main(args) -> int:
 
 def batch_bench(args, loaded, names: list, settings: dict) -> int:
     """Batched decoding (`--batch 1,8`): at each frame count, the largest batch's worth of held-out toy
-    clips (`--types`), decoded in batches of each size (batch 1: one at a time), dense and each
-    method, every method's pass between two dense passes (paired, medians over --repeats). A pass's
-    tokens/s is every row's tokens over the summed decode time of its batches (a batch's decode
-    time ends with its last row); each method's figures against dense per row (acceptance, the
-    bound from the run's own step costs) are medians over rows."""
-    from .runs import run_rows
-
-    batches = sorted({int(b) for b in str(args.batch).split(",")})
-    if batches[0] < 1:
-        raise InputError(f"--batch must list sizes >= 1, not {args.batch!r}.")
-    decoding = Sampling(ignore_eos=args.ignore_eos)
-    rows = []
+    clips (`--types`), decoded in batches of each size (`batch_rows`)."""
+    batches = batch_sizes(args)
     frame_counts = [int(f) for f in str(args.frames).split(",")]
-    passes = len(names) + 1 + 2 * len(names) * args.repeats  # warm-up of each method, dense, each pair
-    bar = tqdm(total=len(frame_counts) * len(batches) * passes, desc="bench", file=sys.stderr)
+    rows = []
+    bar = tqdm(total=len(frame_counts) * len(batches) * batch_passes(names, args), desc="bench", file=sys.stderr)
     try:
         for F in frame_counts:
             clips = toy_clips(max(batches), F, args.types)
             inputs = [loaded.adapter.build_inputs(f, q).to(loaded.device) for f, q, _ in clips]
-            warm_up(loaded, inputs[0], names=names, settings=settings, max_new_tokens=args.max_new_tokens)
-            dense1 = None
-            for B in batches:
-                def run(name):
-                    traces, decode_s = [], 0.0
-                    for i in range(0, len(inputs), B):
-                        part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
-                        traces += part
-                        decode_s += max(t.decode_s for t in part)
-                    bar.update()
-                    return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
-
-                for name in names:  # first calls at this batch size (CUDA: graph captures) outside the timing
-                    run(name)
-                after = run("dense")
-                per = {name: [] for name in names}
-                dense_tok_s = [after[1]]
-                for _ in range(args.repeats):
-                    for name in names:
-                        dense = after
-                        res = run(name)
-                        after = run("dense")
-                        dense_tok_s.append(after[1])
-                        figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
-                        per[name].append(dict(
-                            speedup=res[1] / ((dense[1] + after[1]) / 2),
-                            identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),
-                            acceptance=_median([f.get("acceptance") for f in figs]),
-                            bound=_median([f.get("bound_speedup") for f in figs]),
-                            tok_s=res[1]))
-                dense_rate = statistics.median(dense_tok_s)
-                dense1 = dense1 or dense_rate
-                for name in names:
-                    p = per[name]
-                    row = dict(frames=F, visual_tokens=inputs[0].m_v, batch=B, method=name, rows=len(inputs),
-                               dense_tok_s=dense_rate, dense_vs_batch1=dense_rate / dense1,
-                               tok_s=_median([x["tok_s"] for x in p]), speedup=_median([x["speedup"] for x in p]),
-                               identical_to_dense=all(x["identical"] for x in p),
-                               acceptance=_median([x["acceptance"] for x in p]),
-                               bound_speedup=_median([x["bound"] for x in p]))
-                    if row["speedup"] and row["bound_speedup"]:
-                        row["bound_share"] = row["speedup"] / row["bound_speedup"]
-                    rows.append(row)
+            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(frames=F), bar)
     finally:
         bar.close()
+    return print_batch_rows(args, loaded, settings, rows)
+
+
+def batch_sizes(args) -> list[int]:
+    batches = sorted({int(b) for b in str(args.batch).split(",")})
+    if batches[0] < 1:
+        raise InputError(f"--batch must list sizes >= 1, not {args.batch!r}.")
+    return batches
+
+
+def batch_passes(names: list, args) -> int:
+    """Runs `batch_rows` makes per batch size: each method once (outside the timing), dense, each pair."""
+    return len(names) + 1 + 2 * len(names) * args.repeats
+
+
+def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches: list[int], label: dict,
+               bar) -> list[dict]:
+    """The prompts `inputs` decoded in batches of each size (batch 1: one at a time), dense and each
+    method, every method's pass between two dense passes (paired, medians over --repeats). A pass's
+    tokens/s is every row's tokens over the summed decode time of its batches (a batch's decode
+    time ends with its last row); each method's figures against dense per row (acceptance, the
+    bound from the run's own step costs) are medians over rows. `label`: fields every row starts with."""
+    from .runs import run_rows
+
+    decoding = Sampling(ignore_eos=args.ignore_eos)
+    warm_up(loaded, inputs[0], names=names, settings=settings, max_new_tokens=args.max_new_tokens)
+    rows, dense1 = [], None
+    for B in batches:
+        def run(name):
+            traces, decode_s = [], 0.0
+            for i in range(0, len(inputs), B):
+                part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
+                traces += part
+                decode_s += max(t.decode_s for t in part)
+            bar.update()
+            return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
+
+        for name in names:  # first calls at this batch size (CUDA: graph captures) outside the timing
+            run(name)
+        after = run("dense")
+        per = {name: [] for name in names}
+        dense_tok_s = [after[1]]
+        for _ in range(args.repeats):
+            for name in names:
+                dense = after
+                res = run(name)
+                after = run("dense")
+                dense_tok_s.append(after[1])
+                figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
+                per[name].append(dict(
+                    speedup=res[1] / ((dense[1] + after[1]) / 2),
+                    identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),
+                    acceptance=_median([f.get("acceptance") for f in figs]),
+                    tokens_per_round=_median([f.get("tokens_per_round") for f in figs]),
+                    bound=_median([f.get("bound_speedup") for f in figs]),
+                    fast_steps=sum(r.fast_steps or 0 for r in res[0]),
+                    tok_s=res[1]))
+        dense_rate = statistics.median(dense_tok_s)
+        dense1 = dense1 or dense_rate
+        for name in names:
+            p = per[name]
+            row = dict(label, visual_tokens=inputs[0].m_v, batch=B, method=name, rows=len(inputs),
+                       dense_tok_s=dense_rate, dense_vs_batch1=dense_rate / dense1,
+                       tok_s=_median([x["tok_s"] for x in p]), speedup=_median([x["speedup"] for x in p]),
+                       identical_to_dense=all(x["identical"] for x in p),
+                       acceptance=_median([x["acceptance"] for x in p]),
+                       tokens_per_round=_median([x["tokens_per_round"] for x in p]),
+                       bound_speedup=_median([x["bound"] for x in p]), fast_steps=p[-1]["fast_steps"] if p else 0)
+            if row["speedup"] and row["bound_speedup"]:
+                row["bound_share"] = row["speedup"] / row["bound_speedup"]
+            rows.append(row)
+    return rows
+
+
+def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) -> int:
     if args.json:
         print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
                               ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), compile=state(loaded),
-                              rows=rows)))
+                              rows=rows, **extra)))
         return 0
     print(f"decode steps: {state(loaded)} (batches of more than one row: eager on the CPU)")
-    cols = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), ("batch", "batch", "g"),
-            ("method", "method", ""), ("dense tok/s", "dense_tok_s", ""), ("dense vs batch 1", "dense_vs_batch1", "x"),
-            ("method tok/s", "tok_s", ""), ("decode speedup", "speedup", "x"), ("identical", "identical_to_dense", ""),
-            ("acceptance", "acceptance", "pct"), ("bound from step costs", "bound_speedup", "x"),
-            ("share of bound", "bound_share", "pct")]
+    first = [("frames", "frames", "g")] if "frames" in rows[0] else [("prompt", "seq", "g")]
+    cols = first + [
+        ("visual tokens", "visual_tokens", "g"), ("batch", "batch", "g"),
+        ("method", "method", ""), ("dense tok/s", "dense_tok_s", ""), ("dense vs batch 1", "dense_vs_batch1", "x"),
+        ("method tok/s", "tok_s", ""), ("decode speedup", "speedup", "x"), ("identical", "identical_to_dense", ""),
+        ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
+        ("bound from step costs", "bound_speedup", "x"), ("share of bound", "bound_share", "pct")]
     print(markdown_table([c[0] for c in cols], [[cell(r.get(k), kind) for _, k, kind in cols] for r in rows]))
     return 0
+
+
+def shape_loaded(name: str, dev: torch.device, dtype: torch.dtype, layers: int | None = None):
+    """A whole Qwen2-VL model whose language model has a real checkpoint's shape (`SHAPES`; random
+    weights, built on `dev` directly), with a tiny vision tower (its cost is not what is measured)
+    and a word-level tokenizer as large as the vocabulary: a `Loaded` the engine runs like any model.
+    Its folder (config, tokenizer, preprocessor; no weights) is a temporary one; frames of 448 x 448
+    give 128 visual tokens each."""
+    import tempfile
+
+    import transformers
+
+    from . import attention
+    from .adapters import adapter_for
+    from .cache import BufferPool
+    from .models import Loaded
+    from .tiny import make_tokenizer, tiny_config
+
+    shape = dict(SHAPES[name], max_position_embeddings=131072)
+    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
+    vocab = shape.pop("vocab_size") if dev.type == "cuda" else 4096  # as `shape_model`: short CPU runs
+    tok = make_tokenizer(vocab_size=vocab)
+    ids = dict(bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    shape.pop("vocab_size", None)
+    config = tiny_config("qwen2_vl", len(tok), token_ids=ids, initializer_range=0.02, **shape)
+    folder = tempfile.mkdtemp(prefix="sparsevid-shape-")
+    tok.save_pretrained(folder)
+    with open(f"{folder}/preprocessor_config.json", "w") as f:
+        json.dump(dict(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=448 * 448,
+                       max_pixels=448 * 448), f)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.update(**ids)
+    model.set_attn_implementation({"text_config": attention.NAME})
+    attention.install(model)
+    return Loaded(model, tok, adapter_for(folder, config, tok), f"{name} (random weights)", "random", dev, dtype,
+                  pool=BufferPool() if dev.type == "cuda" else None)
+
+
+SHAPE_QUESTIONS = ("describe the video .", "what happens in the video ?", "what colour is the object ?",
+                   "which direction does the object move ?", "how many objects are there ?",
+                   "when does the red circle appear ?", "what shape is the blue object ?",
+                   "describe the green square .")
+
+
+@torch.inference_mode()
+def shape_rounds(args) -> int:
+    """Real rounds at a real shape (`--shape NAME --rounds`): `shape_loaded`'s model on one random
+    clip of about --seq visual tokens (default 16384) with up to 8 questions, decoded in batches of
+    each --batch size (`batch_rows`: dense and each method, paired, tokens/s of the batch, acceptance,
+    tokens per round, the bound from the run's own step costs, steps served by graphs). Random
+    weights: the acceptance is the random model's, not a checkpoint's; the costs are the shape's."""
+    import numpy as np
+
+    from .models import pick_device
+
+    if args.shape not in SHAPES:
+        raise InputError(f"Unknown shape '{args.shape}'; known: {', '.join(SHAPES)}.")
+    dev, dtype = pick_device(args.device, args.dtype)
+    batches = batch_sizes(args)
+    seqs = [int(s) for s in str(args.seq or args.visual_tokens or "16384").split(",")]
+    names = [n for n in parse_methods(args.methods) if n != "dense"] or ["std"]
+    settings = check_settings(args.settings)
+    loaded = shape_loaded(args.shape, dev, dtype, args.layers or (None if dev.type == "cuda" else 2))
+    enable(loaded, args.compile)
+    rows = []
+    bar = tqdm(total=len(seqs) * len(batches) * batch_passes(names, args), desc="bench", file=sys.stderr)
+    try:
+        for seq in seqs:
+            frames = np.random.default_rng(seq).integers(0, 256, (2 * -(-seq // 256), 448, 448, 3), dtype=np.uint8)
+            inputs = [loaded.adapter.build_inputs(frames, q).to(dev)
+                      for q in (SHAPE_QUESTIONS * 8)[:max(batches)]]
+            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(seq=inputs[0].m), bar)
+    finally:
+        bar.close()
+    return print_batch_rows(args, loaded, settings, rows, shape=args.shape, layers=loaded.num_layers,
+                            random_weights=True)
 
 
 def paired_runs(loaded, inputs, name: str, settings, args, decoding, on_dense=None) -> tuple[list, object, object]:
@@ -375,6 +487,8 @@ def format_cost_table(rows: list[dict]) -> str:
 
 # Language-model shapes of the supported 7B-class checkpoints (from their published config.json).
 SHAPES = {
+    "qwen2-vl-2b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                        num_key_value_heads=2, vocab_size=151936),
     "qwen2-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                         num_key_value_heads=4, vocab_size=152064),
     "qwen2.5-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

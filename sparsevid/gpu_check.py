@@ -1,6 +1,6 @@
 """The whole GPU check in one command, for a machine with a CUDA device: `python -m sparsevid.gpu_check
---out gpu.json` (about 3-4 minutes on one H100/H200-class GPU, from a cold process: no compiler,
-the steps are captured as CUDA graphs by hand).
+--out gpu.json` (about 3-4 minutes on one H100/H200-class GPU for parts 1-4, from a cold process:
+no compiler, the steps are captured as CUDA graphs by hand; the batched parts add 2-4 minutes).
 
 Parts, each its own process with its own timeout (a part that fails or hangs is killed and the
 others still run; the JSON is written after every part):
@@ -16,7 +16,13 @@ others still run; the JSON is written after every part):
    `shapes-sdpa`: one row of it with SDPA attention;
 4. `embedded`: the embedded model in bf16 on every bundled example, every method against dense as
    the app runs them (`runs.compare`, warm-up included): tokens identical for the lossless ones,
-   decode speedups, steps served by graphs, and the first comparison's seconds from a cold model.
+   decode speedups, steps served by graphs, and the first comparison's seconds from a cold model;
+   `embedded-batch`: batched decoding on it, 8 held-out 256-frame narrations in batches of 1 and 8,
+   dense and StD in real rounds (`bench --batch 1,8`: tokens/s, speedup, acceptance, bound);
+5. `rounds`: real rounds at the 7B shape (a whole Qwen2-VL, random weights, tiny vision tower; one
+   random clip of 16,384 visual tokens, 8 questions in batches of 1 and 8, dense and StD:
+   `bench --shape qwen2-vl-7b --rounds`): the batch's tokens/s, StD's speedup and its bound from
+   the run's own step costs, steps served by graphs.
 
 Prints one line of exit codes and seconds; everything lands in --out.
 """
@@ -44,6 +50,11 @@ PARTS = {
     "shapes-sdpa": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1", "--seq",
                      "16384", "--json"], 60),
     "embedded": ([sys.executable, "-m", "sparsevid.gpu_check", "--embedded"], 120),
+    "embedded-batch": ([sys.executable, "-m", "sparsevid", "bench", "--frames", "256", "--batch", "1,8", "--methods",
+                        "std", "--ignore-eos", "--max-new-tokens", "48", "--repeats", "2", "--json"], 90),
+    "rounds": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--rounds", "--batch", "1,8",
+                "--seq", "16384", "--methods", "std", "--ignore-eos", "--max-new-tokens", "32", "--repeats", "1",
+                "--json"], 150),
 }
 ENV = {"shapes-sdpa": {"SPARSEVID_ATTENTION": "sdpa"}}
 LOSSLESS = ("std", "streaming", "layerskip")

@@ -155,6 +155,24 @@ def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
     assert all(r["routed_attention_ms"] > 0 and r["prefill_attention_ms"] > 0 for r in rows if r["batch"] == 1)
 
 
+def test_bench_shape_rounds_decodes_batches_of_a_real_shape_losslessly(capsys):
+    """Real rounds at a real shape (the GPU check's 7B batch-8 part, here a one-layer 2B shape on a
+    short random clip): batch 1 and 2, StD speculating with a fixed γ, tokens identical to dense's."""
+    import json
+
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--shape", "qwen2-vl-2b", "--rounds", "--layers", "1", "--seq", "300", "--batch", "1,2",
+                     "--methods", "std", "--k", "64", "--gamma", "3", "--no-adaptive-gamma", "--max-new-tokens", "8",
+                     "--ignore-eos", "--repeats", "1", "--compile", "off", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert out["random_weights"] and out["layers"] == 1 and [r["batch"] for r in rows] == [1, 2]
+    assert all(r["rows"] == 2 and r["visual_tokens"] == 512 and r["identical_to_dense"] for r in rows)
+    assert all(r["dense_tok_s"] > 0 and r["tok_s"] > 0 and r["acceptance"] is not None for r in rows)
+    assert all(1 <= r["tokens_per_round"] <= 4 for r in rows)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
 def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
     """float32 on CUDA: every method's tokens through captured graphs equal its eager tokens, and
