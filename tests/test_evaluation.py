@@ -110,7 +110,7 @@ def test_single_process(single, capsys):
 
     md = (single / "report.md").read_text()
     assert md.splitlines()[0] == "| method | accuracy | agreement with dense | speedup | acceptance | KV vs dense | items |"
-    assert len(md.splitlines()) == 5
+    assert len(md.splitlines()) == 7 and md.splitlines()[-1].startswith("Decode time, all items")
     page = (single / "report.html").read_text()
     assert page.count("Plotly.newPlot") == 3 and "<script src=" not in page  # plotly.js embedded once
     assert page.count("plotly.js v") == 1 and "Failed items" in page
@@ -149,9 +149,21 @@ def test_batched_eval_gives_every_item_the_answers_of_batch_one(single, evalset,
     assert cli.main(eval_args(evalset, model, out, "--batch", "3")) == 0
     assert answers(read(out)) == answers(read(single))
     rows = [json.loads(line) for line in read(out)]
-    batches = {r["batch_of"] for r in rows if "error" not in r}
-    assert len(batches) == 1 and all(r["batch_decode_s"] >= r["decode_s"] for r in rows if "error" not in r)
+    dense = [r for r in rows if r["method"] == "dense" and "error" not in r]
+    batches = {r["batch_of"]: r["batch_decode_s"] for r in dense}
+    assert len(dense) == 3 and len(batches) == 2 and all(r["batch_decode_s"] >= r["decode_s"] for r in dense)
+    with open(out / evaluation.SUMMARY) as f:  # each batch's decode time counted once per method
+        assert json.load(f)["methods"]["dense"]["decode_s"] == pytest.approx(sum(batches.values()))
     assert cli.main(eval_args(evalset, model, tmp_path / "zero", "--batch", "0")) == 2
+
+
+def test_batches_put_like_questions_together():
+    """`--batch` fills its batches with items asking the same question (then by frames, then in
+    manifest order), so a batch's answers tend to end together."""
+    items = [dict(id=str(i), question=q, frames=f) for i, (q, f) in enumerate(
+        [("Describe the video.", 64), ("What colour is the circle?", 16), ("describe  the video.", 16),
+         ("What colour is the circle?", 16), ("Describe the video.", 16)])]
+    assert [it["id"] for it in evaluation.batch_order(items)] == ["2", "4", "0", "1", "3"]
 
 
 def test_resume_runs_only_what_is_missing(single, evalset, model, tmp_path, capsys):
