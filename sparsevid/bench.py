@@ -258,7 +258,7 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
             for i in range(0, len(inputs), B):
                 part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
                 traces += part
-                decode_s += max(t.decode_s for t in part)
+                decode_s += part[0].batch_decode_s
             bar.update()
             return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
 

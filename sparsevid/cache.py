@@ -70,6 +70,12 @@ class Buffers:
         t = self.taken[name] = self.pool.take(name, shape, dtype, device)
         return t
 
+    def empty(self, name, shape, dtype, device) -> torch.Tensor:
+        """`zeros` where the caller writes every entry itself (without a pool: not zeroed first)."""
+        if self.pool is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.zeros(name, shape, dtype, device)
+
     def like(self, name, t: torch.Tensor) -> torch.Tensor:
         """A pooled copy of a small tensor the steps read (head indices, scales, masks)."""
         return self.zeros(name, t.shape, t.dtype, t.device).copy_(t)
@@ -371,9 +377,9 @@ class KVCache(Cache):
         """The run is over: its buffers go back to the pool (this cache must not be used again)."""
         self.static.clear()
         self.buffers.release()
-        if self.stack is not None:
-            self.stack.release()
-            self.stack = None
+        if self.stack is not None:  # the stack goes back once no row of it is left
+            stack, self.stack = self.stack, None
+            stack.release_if_unused()
 
     def nbytes(self) -> int:
         """KV bytes held now, every layer, dense buffers and compact caches."""
@@ -401,74 +407,126 @@ class Stack:
     ([B, slots]: dense 0; a compact cache K_h - prompt length)."""
 
     def __init__(self, caches: list[KVCache], num_heads: int, pool: BufferPool | None = None):
-        self.caches = list(caches)
+        self.caches, self.num_heads = list(caches), num_heads
         self.buffers = Buffers(pool)
         B = len(caches)
         self.dense: list[tuple | None] = []
-        # per layer: (k, v, bias, scale, width, offsets [B, width]) of the stacked compact caches, or None
-        self.sparse: list[tuple | None] = []
+        # per layer: [k, v, bias, scale, width, offsets [B, width]] of the stacked compact caches, or None
+        self.sparse: list[list | None] = []
         for i in range(len(caches[0].layers)):
             rows = [c.layers[i] for c in caches]
             if any(r.sparse is not None for r in rows):
-                for c, r in zip(caches, rows):
-                    if r.sparse is None:  # a compact copy of every entry this row has
-                        n = c.prompt_len
-                        sel = LayerSelection([torch.arange(n, device=r.keys.device)] * r.keys.shape[1])
-                        r.sparse = SparseKV(r.keys[:, :, :n], r.values[:, :, :n], sel, c.capacity - n, num_heads)
-                        r.sparse.copy_generated(r.keys[:, :, n:c.sparse_len], r.values[:, :, n:c.sparse_len], 0)
-                sps = [r.sparse for r in rows]
-                k = self._stack(("stack", i, "sk"), [s.k for s in sps])
-                v = self._stack(("stack", i, "sv"), [s.v for s in sps])
-                bias = None
+                sps = [self._compact(c, r) for c, r in zip(caches, rows)]
+                k = self._buffer(("stack", i, "sk"), [s.k for s in sps])
+                v = self._buffer(("stack", i, "sv"), [s.v for s in sps])
+                Hkv, G = k.shape[1], num_heads // k.shape[1]
+                bias = scale = None
                 if any(s.bias is not None for s in sps):
-                    Hkv, G = sps[0].k.shape[1], num_heads // sps[0].k.shape[1]
                     bias = self.buffers.zeros(("stack", i, "bias"), (B, Hkv, G, k.shape[2]), k.dtype, k.device)
-                    for b, s in enumerate(sps):
-                        if s.bias is not None:
-                            bias[b, :, :, :s.bias.shape[-1]] = s.bias
-                scale = None
                 if any(s.head_scale is not None for s in sps):
-                    scale = self.buffers.zeros(("stack", i, "scale"), (B, num_heads), k.dtype, k.device).fill_(1)
-                    for b, s in enumerate(sps):
-                        if s.head_scale is not None:
-                            scale[b] = s.head_scale
-                for b, s in enumerate(sps):
-                    s.k, s.v = k[b:b + 1], v[b:b + 1]
-                    s.bias = None if bias is None else bias[b]
-                    s.head_scale = None if scale is None else scale[b]
-                width = 1 if all(s.uniform for s in sps) else k.shape[1]
-                offsets = torch.tensor([[n - c.prompt_len for n in s.starts] * (width // len(s.starts))
-                                        for c, s in zip(caches, sps)], device=k.device)
-                self.sparse.append((k, v, bias, scale, width, offsets))
+                    scale = self.buffers.zeros(("stack", i, "scale"), (B, num_heads), k.dtype, k.device)
+                width = 1 if all(s.uniform for s in sps) else Hkv
+                offsets = torch.zeros(B, width, dtype=torch.long, device=k.device)
+                self.sparse.append([k, v, bias, scale, width, offsets])
             else:
                 self.sparse.append(None)
             if all(r.is_initialized for r in rows):
-                k = self._stack(("stack", i, "k"), [r.keys for r in rows])
-                v = self._stack(("stack", i, "v"), [r.values for r in rows])
-                for b, r in enumerate(rows):
-                    r.keys, r.values = k[b:b + 1], v[b:b + 1]
-                self.dense.append((k, v))
+                self.dense.append((self._buffer(("stack", i, "k"), [r.keys for r in rows]),
+                                   self._buffer(("stack", i, "v"), [r.values for r in rows])))
             else:
                 self.dense.append(None)
-        moved = [name for i in range(len(caches[0].layers)) for name in
-                 (("dense", i, "k"), ("dense", i, "v"), ("sparse", i, "k"), ("sparse", i, "v"), ("sparse", i, "bias"),
-                  ("sparse", i, "scale"))]
-        for c in caches:
-            c.static.clear()
-            if c.stack is not None and c.stack is not self:
-                c.stack.release()  # the previous stack (rows have ended since): each row now lives here
-            c.stack = self
-            c.buffers.release(moved)  # each row's own buffers: its cache reads its row of the stack now
+        for b, c in enumerate(caches):
+            self._put(b, c)
         self.blocks: dict = {}
 
-    def _stack(self, name, rows: list[torch.Tensor]) -> torch.Tensor:
-        """rows [1, Hkv, n_b, D] -> [B, Hkv, max n_b, D] (zeros past each row's own)."""
+    MOVED = ("dense", "k"), ("dense", "v"), ("sparse", "k"), ("sparse", "v"), ("sparse", "bias"), ("sparse", "scale")
+
+    def _buffer(self, name, rows: list[torch.Tensor]) -> torch.Tensor:
+        """[B, Hkv, max n_b, D] for rows [1, Hkv, n_b, D] (filled by `_put`)."""
         n = max(r.shape[2] for r in rows)
-        out = self.buffers.zeros(name, (len(rows),) + rows[0].shape[1:2] + (n,) + rows[0].shape[3:],
-                                 rows[0].dtype, rows[0].device)
-        for b, r in enumerate(rows):
-            out[b, :, :r.shape[2]] = r[0]
-        return out
+        return self.buffers.empty(name, (len(rows),) + rows[0].shape[1:2] + (n,) + rows[0].shape[3:],
+                                  rows[0].dtype, rows[0].device)
+
+    def _compact(self, c: KVCache, r) -> "SparseKV":
+        """Row r's compact cache; for a row that reads its dense cache in a layer where others hold a
+        compact one, a compact copy of every entry it has (the same entries: the same attention)."""
+        if r.sparse is None:
+            n = c.prompt_len
+            sel = LayerSelection([torch.arange(n, device=r.keys.device)] * r.keys.shape[1])
+            r.sparse = SparseKV(r.keys[:, :, :n], r.values[:, :, :n], sel, c.capacity - n, self.num_heads)
+            r.sparse.copy_generated(r.keys[:, :, n:c.sparse_len], r.values[:, :, n:c.sparse_len], 0)
+        return r.sparse
+
+    @staticmethod
+    def _copy(out: torch.Tensor, b: int, row: torch.Tensor) -> torch.Tensor:
+        """Row b of `out` <- row [1, Hkv, n, D], zeros past it (masked, but never uninitialised memory:
+        0 x NaN is NaN); the row's view of `out`."""
+        n = row.shape[2]
+        out[b, :, :n] = row[0]
+        out[b, :, n:] = 0
+        return out[b:b + 1]
+
+    def _fits(self, c: KVCache) -> bool:
+        """Cache `c` can take a row of these buffers: the same layers stacked, no longer rows, and
+        no bias, head scale or per-head width the stacked layer lacks."""
+        for i, r in enumerate(c.layers):
+            d, sp = self.dense[i], self.sparse[i]
+            if (d is not None) != r.is_initialized or (d is not None and r.keys.shape[2] > d[0].shape[2]):
+                return False
+            if sp is None:
+                if r.sparse is not None:
+                    return False
+                continue
+            k, _, bias, scale, width, _ = sp
+            s = r.sparse
+            n = s.k.shape[2] if s is not None else c.capacity
+            if n > k.shape[2] or (s is not None and ((s.bias is not None and bias is None) or (
+                    s.head_scale is not None and scale is None) or (width == 1 and not s.uniform))):
+                return False
+        return True
+
+    def _put(self, b: int, c: KVCache) -> None:
+        """Copy cache `c`'s KV (and its compact caches' biases, head scales and write offsets) into
+        row b and re-point `c` at its row (views); its own buffers are given back."""
+        for i, r in enumerate(c.layers):
+            if self.sparse[i] is not None:
+                k, v, bias, scale, width, offsets = self.sparse[i]
+                s = self._compact(c, r)
+                s.k, s.v = self._copy(k, b, s.k), self._copy(v, b, s.v)
+                if bias is not None:
+                    bias[b] = 0
+                    if s.bias is not None:
+                        bias[b, :, :, :s.bias.shape[-1]] = s.bias
+                    s.bias = bias[b]
+                if scale is not None:
+                    scale[b] = 1 if s.head_scale is None else s.head_scale
+                    s.head_scale = scale[b]
+                offsets[b] = torch.tensor([n - c.prompt_len for n in s.starts] * (width // len(s.starts)))
+            if self.dense[i] is not None:
+                k, v = self.dense[i]
+                r.keys, r.values = self._copy(k, b, r.keys), self._copy(v, b, r.values)
+        c.static.clear()
+        old, c.stack = c.stack, self
+        if old is not None and old is not self:
+            old.release_if_unused()  # the previous stack (rows have ended since), once every row has left it
+        c.buffers.release([(kind, i, t) for i in range(len(c.layers)) for kind, t in self.MOVED])
+
+    def replace(self, b: int, c: KVCache) -> bool:
+        """Cache `c` (a prompt that joins as row b's ended: continuous batching) takes row b in place,
+        the buffers, their addresses (CUDA graphs) and the other rows untouched; False where it does
+        not fit (`_fits`: then the rows are stacked again)."""
+        if c.stack is not None or not self._fits(c):
+            return False
+        self.caches[b].stack = None
+        self.caches[b] = c
+        self._put(b, c)
+        self.blocks.clear()  # their offsets are rebuilt from the rows'
+        return True
+
+    def release_if_unused(self) -> None:
+        """Give the buffers back once no cache is a row of this stack any more."""
+        if all(c.stack is not self for c in self.caches):
+            self.release()
 
     def release(self) -> None:
         self.buffers.release()

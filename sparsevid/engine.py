@@ -12,6 +12,7 @@ never writes on the loaded model. Each run returns a plain `traces.Trace`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import statistics
@@ -154,13 +155,30 @@ def step(loaded: Loaded, run: Run, tokens: list[int], mode: str | None = None,
 
 def batch_buffers(loaded: Loaded, caches: list, mode: str, num_layers: int | None):
     """The step's buffers (`fast.buffers`) of one cache, or of several decoded together: their
-    `cache.Stack` (stacked once per set of rows: again after rows end, without theirs)."""
+    `cache.Stack` (stacked once per set of rows: again after rows end, without theirs; a prompt that
+    joins where a row ended takes that row in place where it fits, `Stack.replace`)."""
     if len(caches) == 1:
         return buffers(caches[0], mode, num_layers)
-    stack = caches[0].stack
-    if stack is None or len(stack.caches) != len(caches) or any(a is not b for a, b in zip(stack.caches, caches)):
+    stack = next((c.stack for c in caches if c.stack is not None), None)
+    if stack is None or len(stack.caches) != len(caches) or not all(
+            a is b or stack.replace(i, b) for i, (a, b) in enumerate(zip(stack.caches, caches))):
         stack = Stack(caches, loaded.num_heads, loaded.pool)
     return stack_buffers(stack, mode, num_layers)
+
+
+@contextlib.contextmanager
+def step_threads(loaded: Loaded):
+    """A decode step's intra-op threads on the CPU: `loaded.step_threads` where it is set (chosen by
+    measurement, `runs.choose_step_threads`), torch's own count again afterwards (prefill keeps it)."""
+    n, old = loaded.step_threads, torch.get_num_threads()
+    if not n or n == old or loaded.device.type != "cpu":
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 @torch.inference_mode()
@@ -191,19 +209,20 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
     pos = torch.cat([loaded.adapter.position_ids(c.length + r.position_offset, rows, dev)
                      for r, c in zip(runs, caches)], dim=-2)
     watched = len(runs) == 1 and runs[0].on_decode_attention is not None
-    bufs = None if watched else batch_buffers(loaded, caches, caches[0].mode, num_layers)
-    if bufs is None:  # eager, through the run (one row: calibration, or a layer with nothing to read)
-        with active(runs[0]):
-            logits = text_step(loaded.model, ids, pos, caches[0], num_layers)
-    else:
-        lengths = torch.tensor([c.length for c in caches], device=dev)[:, None]
-        start = bufs[2] + lengths
-        logits = None if fast is None else fast.step(bufs, start, ids, pos)  # None: eager
-        if logits is not None:
-            for r in runs:
-                r.fast_steps += 1
+    with step_threads(loaded):
+        bufs = None if watched else batch_buffers(loaded, caches, caches[0].mode, num_layers)
+        if bufs is None:  # eager, through the run (one row: calibration, or a layer with nothing to read)
+            with active(runs[0]):
+                logits = text_step(loaded.model, ids, pos, caches[0], num_layers)
         else:
-            logits = static_step(loaded.model, ids, pos, bufs[0], bufs[1], start)
+            lengths = torch.tensor([c.length for c in caches], device=dev)[:, None]
+            start = bufs[2] + lengths
+            logits = None if fast is None else fast.step(bufs, start, ids, pos)  # None: eager
+            if logits is not None:
+                for r in runs:
+                    r.fast_steps += 1
+            else:
+                logits = static_step(loaded.model, ids, pos, bufs[0], bufs[1], start)
     for c, f in zip(caches, feeds):
         c.advance(len(f))
     return [logits[b, :len(f)] for b, f in enumerate(feeds)]
@@ -242,24 +261,97 @@ def _row_callback(on_token):
     return None if on_token is None else (lambda row, tok: on_token(tok))
 
 
-def _prefill_rows(loaded: Loaded, inputs: list[VideoInputs], runs: list[Run], sampling: Sampling,
-                  seeds: list[int] | None, on_token) -> tuple[list[list[int]], list[float], list, float]:
-    """Prefill each row on its own (timed apart, after the peak memory is reset) and choose its first
-    token: (tokens per row, prefill seconds per row, a random generator per row (`seeds[b]`,
-    default `sampling.seed` for every row), the time the prefills ended)."""
-    dev = loaded.device
-    gens = [sampling.generator(dev, seed) for seed in (seeds or [None] * len(runs))]
-    sync(dev)
-    _reset_peak(dev)
-    outs, prefill_s = [], []
-    for b, (x, run) in enumerate(zip(inputs, runs)):
+class _Rows:
+    """The rows of a batched run (continuous batching): each prompt is prefilled on its own and
+    joins the live rows, at most `width` at once (default: all); when a row ends (`done(b)`), it
+    leaves and the next waiting prompt joins, so a batch stays full while prompts wait. Per row: its
+    run (`make_run(inputs)`), tokens (`outs[b]`; the first chosen from its prefill, with its own
+    random generator, `seeds[b]`, default `sampling.seed`), prefill seconds, and its decode
+    seconds and step times: the sum of the steps (or rounds) it took part in (`timed`), so another
+    row's prefill between two steps is not counted in its decode time. `finish(b)` is called as row
+    b ends (its trace, then its cache is released)."""
+
+    def __init__(self, loaded: Loaded, inputs: list[VideoInputs], make_run, sampling: Sampling,
+                 seeds: list[int] | None, on_token, max_new_tokens: int, width: int | None = None, begin=None,
+                 finish=None):
+        B = len(inputs)
+        self.loaded, self.inputs, self.make_run, self.sampling, self.on_token = loaded, inputs, make_run, sampling, on_token
+        self.eos, self.max_new_tokens = sampling.eos(loaded), max_new_tokens
+        self.begin, self.finish = begin, finish
+        self.width = min(width or B, B)
+        self.runs: list[Run | None] = [None] * B
+        self.outs: list[list[int]] = [[] for _ in range(B)]
+        self.prefill_s, self.decode_s = [0.0] * B, [0.0] * B
+        self.total_s = 0.0  # every step (round) once: the batch's decode time
+        self.step_s: list[list[float]] = [[] for _ in range(B)]
+        self.gens = [sampling.generator(loaded.device, seed) for seed in (seeds or [None] * B)]
+        self.waiting = list(range(B))
+        self.live: list[int] = []
+        sync(loaded.device)
+        _reset_peak(loaded.device)
+
+    def done(self, b: int) -> bool:
+        """Row b has ended: an end token, or max_new_tokens tokens."""
+        return self.outs[b][-1] in self.eos or len(self.outs[b]) >= self.max_new_tokens
+
+    def admit(self) -> list[int]:
+        """Prefill waiting prompts while fewer than `width` rows are live (the first call: the first
+        `width` prompts); the live rows."""
+        while self.waiting and len(self.live) < self.width:
+            b = self.join()
+            if b is not None:
+                self.live.append(b)
+        return self.live
+
+    def join(self) -> int | None:
+        """Prefill the next waiting prompt: its row, or None where it ended at its first token."""
+        b = self.waiting.pop(0)
+        x = self.inputs[b]
+        run = self.runs[b] = self.make_run(x)
         t0 = time.perf_counter()
-        outs.append([choose(prefill(loaded, x, run), sampling, gens[b])])
-        sync(dev)
-        prefill_s.append(time.perf_counter() - t0)
-        if on_token is not None:
-            on_token(b, outs[b][0])
-    return outs, prefill_s, gens, time.perf_counter()
+        self.outs[b] = [choose(prefill(self.loaded, x, run), self.sampling, self.gens[b])]
+        sync(self.loaded.device)
+        self.prefill_s[b] = time.perf_counter() - t0
+        if self.on_token is not None:
+            self.on_token(b, self.outs[b][0])
+        if self.begin is not None:
+            self.begin(b)
+        if self.done(b):
+            self.end(b)
+            return None
+        return b
+
+    def timed(self, seconds: float) -> None:
+        """A step (or round) of the live rows took `seconds`."""
+        self.total_s += seconds
+        for b in self.live:
+            self.decode_s[b] += seconds
+            self.step_s[b].append(seconds)
+
+    def end(self, b: int) -> None:
+        if self.finish is not None:
+            self.finish(b)
+        self.runs[b].cache.release()
+
+    def next(self) -> list[int]:
+        """After a step: rows that are done leave, waiting prompts join; the live rows. A prompt that
+        joins takes the place of one that left, so the other rows keep their places (and their
+        stacked buffers: `cache.Stack.replace`)."""
+        slots = []
+        for i, b in enumerate(self.live):
+            if self.done(b):
+                self.end(b)
+                slots.append(i)
+        for i in slots:
+            while self.waiting:
+                b = self.join()
+                if b is not None:
+                    self.live[i] = b
+                    break
+            else:
+                self.live[i] = None
+        self.live = [b for b in self.live if b is not None]
+        return self.admit()
 
 
 def _choose_rows(logits: list[torch.Tensor], s: Sampling, gens: list) -> list[int]:
@@ -280,54 +372,48 @@ def decode(loaded: Loaded, inputs: VideoInputs, *, on_token: Callable[[int], Non
 def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "dense", policy=None,
                 max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                 on_token: Callable[[int, int], None] | None = None, keep_stats: bool = False,
-                run_out: list | None = None, capacity_tokens: int = 0, seeds: list[int] | None = None) -> list[Trace]:
+                run_out: list | None = None, capacity_tokens: int = 0, seeds: list[int] | None = None,
+                width: int | None = None) -> list[Trace]:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only) of one
     or several prompts decoded together (batched: one step serves every row; each row is prefilled
     on its own, keeps its own lengths, positions and selections, and leaves the batch when it ends).
     `on_token(row, token)` as each row's tokens come. `run_out`, if given, receives each `Run` (its
     prefill statistics, for evaluation figures). `capacity_tokens`: size the caches for that many
     tokens (a warm-up run sized as the runs it prepares, so their buffers and graphs are the ones
-    it captured). A row's `decode_s` runs from the end of the batch's prefills to its last token.
-    `seeds`: each row's random seed when sampling (default `sampling.seed` for every row: each row
-    draws as its own one-row run would)."""
+    it captured). `width`: at most that many rows live at once, a waiting prompt joining as a row
+    ends (continuous batching, `_Rows`; default all at once). A row's `decode_s` is the sum of the
+    steps it took part in. `seeds`: each row's random seed when sampling (default `sampling.seed` for
+    every row: each row draws as its own one-row run would)."""
     dev = loaded.device
-    eos = sampling.eos(loaded)
-    runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy, store_dense=policy is None,
-                    keep_stats=keep_stats) for x in inputs]
-    outs, prefill_s, gens, t1 = _prefill_rows(loaded, inputs, runs, sampling, seeds, on_token)
-    B = len(runs)
-    ended = [t1] * B
+    traces: list[Trace | None] = [None] * len(inputs)
 
-    def done(b: int) -> bool:
-        return outs[b][-1] in eos or len(outs[b]) >= max_new_tokens
+    def finish(b: int) -> None:
+        run, out, x = rows.runs[b], rows.outs[b], inputs[b]
+        if run_out is not None:
+            run_out.append(run)
+        traces[b] = Trace(method, "dense" if policy is None else "direct", out, loaded.adapter.decode(out),
+                          rows.prefill_s[b], rows.decode_s[b], run.cache.nbytes(), step_s=rows.step_s[b],
+                          layers=layer_records(run.selections, run.rows, x.m), fast_steps=run.fast_steps,
+                          batch=rows.width)
 
-    live = [b for b in range(B) if not done(b)]
-    steps = []
+    rows = _Rows(loaded, inputs, lambda x: new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy,
+                                                   store_dense=policy is None, keep_stats=keep_stats),
+                 sampling, seeds, on_token, max_new_tokens, width, finish=finish)
+    live = rows.admit()
     while live:
         ts = time.perf_counter()
-        logits = step_rows(loaded, [runs[b] for b in live], [outs[b][-1:] for b in live])
-        for b, tok in zip(live, _choose_rows([lg[-1] for lg in logits], sampling, [gens[b] for b in live])):
-            outs[b].append(tok)
+        logits = step_rows(loaded, [rows.runs[b] for b in live], [rows.outs[b][-1:] for b in live])
+        for b, tok in zip(live, _choose_rows([lg[-1] for lg in logits], sampling, [rows.gens[b] for b in live])):
+            rows.outs[b].append(tok)
             if on_token is not None:
                 on_token(b, tok)
         sync(dev)
-        te = time.perf_counter()
-        steps.append(te - ts)
-        for b in live:
-            if done(b):
-                ended[b] = te
-        live = [b for b in live if not done(b)]
+        rows.timed(time.perf_counter() - ts)
+        live = rows.next()
     peak = _peak(dev, loaded.pool)
-    traces = []
-    for b, (x, run) in enumerate(zip(inputs, runs)):
-        if run_out is not None:
-            run_out.append(run)
-        traces.append(Trace(method, "dense" if policy is None else "direct", outs[b], loaded.adapter.decode(outs[b]),
-                            prefill_s[b], ended[b] - t1, run.cache.nbytes(), step_s=steps[:len(outs[b]) - 1],
-                            layers=layer_records(run.selections, run.rows, x.m), peak_memory_bytes=peak[0],
-                            peak_memory_source=peak[1], fast_steps=run.fast_steps, batch=B))
-    for run in runs:
-        run.cache.release()
+    for t in traces:
+        t.peak_memory_bytes, t.peak_memory_source = peak
+        t.batch_decode_s = rows.total_s
     return traces
 
 
@@ -511,7 +597,8 @@ def speculative_decode(loaded: Loaded, inputs: VideoInputs, draft, *, on_token: 
 def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *, method: str = "std",
                             gamma: int = 9, adaptive: bool = False, max_new_tokens: int = 96,
                             sampling: Sampling = Sampling(), on_token: Callable[[int, int], None] | None = None,
-                            capacity_tokens: int = 0, seeds: list[int] | None = None) -> list[Trace]:
+                            capacity_tokens: int = 0, seeds: list[int] | None = None,
+                            width: int | None = None) -> list[Trace]:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et
     al.'s acceptance rule), of one or several prompts decoded together (each row with its own copy
     of `draft`, its own caches, lengths and random generator).
@@ -523,33 +610,47 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
     argmax. Sampling: accept draft token x with probability min(1, p(x)/q(x)), else resample from
     norm(max(p - q, 0)). Rollback of either cache is a change of its length, per row. A row that
     ends leaves the batch. With `adaptive`, each round's γ (at most `gamma`, 0 = a plain dense step)
-    comes from the batch's measured costs and every row's acceptance (`GammaPlan`). `seeds`: as
-    in `decode_rows`.
+    comes from the batch's measured costs and every row's acceptance (`GammaPlan`). `seeds` and
+    `width` (continuous batching): as in `decode_rows`.
     """
     dev = loaded.device
     eos = sampling.eos(loaded)
     refresh = getattr(draft, "refresh", True)
-    B = len(inputs)
-    drafts = [copy.copy(draft) for _ in range(B)]
-    runs = [new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2, draft.policy, store_dense=True,
-                    copy_all=not refresh) for x in inputs]
-    outs, prefill_s, gens, t1 = _prefill_rows(loaded, inputs, runs, sampling, seeds, on_token)
-    for d, run, out in zip(drafts, runs, outs):
-        d.begin(run, out)
+    B, L = len(inputs), loaded.num_layers
+    drafts, keeps_all = [draft] * B, [False] * B
     rounds: list[list[Round]] = [[] for _ in range(B)]
-    ended = [t1] * B
+    traces: list[Trace | None] = [None] * B
 
-    def done(b: int) -> bool:
-        return outs[b][-1] in eos or len(outs[b]) >= max_new_tokens
+    def begin(b: int) -> None:
+        run = rows.runs[b]
+        drafts[b] = copy.copy(draft)
+        drafts[b].begin(run, rows.outs[b])
+        if draft.policy is not None:  # a draft that keeps every entry everywhere is dense: never run it
+            keeps_all[b] = all(sel.query_mask is None and sel.head_scale is None and min(sel.lengths) >= inputs[b].m
+                               for sel in run.selections.values())
+        else:
+            keeps_all[b] = draft.layers >= L
 
-    if draft.policy is not None:  # a draft that keeps every entry everywhere is dense: never run it
-        keeps_all = all(sel.query_mask is None and sel.head_scale is None and min(sel.lengths) >= x.m
-                        for x, run in zip(inputs, runs) for sel in run.selections.values())
-    else:
-        keeps_all = draft.layers >= loaded.num_layers
-    plan = GammaPlan(gamma, adaptive, draft_is_dense=keeps_all)
-    live = [b for b in range(B) if not done(b)]
+    def finish(b: int) -> None:
+        run, out, x = rows.runs[b], rows.outs[b], inputs[b]
+        if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
+            lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]
+            draft_entries = (sum(lens) + x.m * (L - len(lens))) / L
+        else:
+            draft_entries = x.m * draft.layers / L
+        traces[b] = Trace(method, "speculative", out, loaded.adapter.decode(out), rows.prefill_s[b], rows.decode_s[b],
+                          run.cache.nbytes(), rounds=rounds[b], layers=layer_records(run.selections, run.rows, x.m),
+                          draft_entries=draft_entries, draft_layers=getattr(draft, "layers", None), gamma=gamma,
+                          fast_steps=run.fast_steps, batch=rows.width)
+
+    rows = _Rows(loaded, inputs, lambda x: new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2,
+                                                   draft.policy, store_dense=True, copy_all=not refresh),
+                 sampling, seeds, on_token, max_new_tokens, width, begin=begin, finish=finish)
+    runs, outs, gens = rows.runs, rows.outs, rows.gens
+    plan = GammaPlan(gamma, adaptive, draft_is_dense=False)
+    live = rows.admit()
     while live:
+        plan.draft_is_dense = all(keeps_all[b] for b in live)
         if plan.adaptive and plan.draft_is_dense:  # the draft is the model itself: plain dense decoding
             g, why = 0, "draft = dense"
         else:
@@ -608,30 +709,17 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
         sync(dev)
         te = time.perf_counter()
         plan.observe(steps, tv - ts, te - tv, accepted_all, tested)
+        rows.timed(te - ts)
         for b in live:
             rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,
                                    tv - ts, te - tv, gamma=g, why=why))
-            if done(b):
-                ended[b] = te
-            else:
+            if not rows.done(b):
                 drafts[b].end_round(runs[b], fed[b], outs[b])
-        live = [b for b in live if not done(b)]
+        live = rows.next()
     peak = _peak(dev, loaded.pool)
-    L = loaded.num_layers
-    traces = []
-    for b, (x, run) in enumerate(zip(inputs, runs)):
-        if draft.policy is not None:  # mean entries a draft step reads per KV head and layer: K + m_t
-            lens = [sum(s.lengths) / len(s.lengths) for s in run.selections.values()]
-            draft_entries = (sum(lens) + x.m * (L - len(lens))) / L
-        else:
-            draft_entries = x.m * draft.layers / L
-        traces.append(Trace(method, "speculative", outs[b], loaded.adapter.decode(outs[b]), prefill_s[b],
-                            ended[b] - t1, run.cache.nbytes(), rounds=rounds[b],
-                            layers=layer_records(run.selections, run.rows, x.m), draft_entries=draft_entries,
-                            draft_layers=getattr(draft, "layers", None), gamma=gamma, peak_memory_bytes=peak[0],
-                            peak_memory_source=peak[1], fast_steps=run.fast_steps, batch=B))
-    for run in runs:
-        run.cache.release()
+    for t in traces:
+        t.peak_memory_bytes, t.peak_memory_source = peak
+        t.batch_decode_s = rows.total_s
     return traces
 
 

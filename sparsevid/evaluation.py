@@ -164,10 +164,11 @@ def is_correct(text: str, item: dict) -> bool | None:
 
 
 def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampling, settings_dict: dict,
-              frames: int, max_new_tokens: int) -> list[dict]:
-    """One row per method for each manifest item, the items decoded together (`--batch`: one batch;
-    one item: `runs.compare`); an item that fails (its video, its question) gets rows with `error`
-    and the others go on."""
+              frames: int, max_new_tokens: int, width: int | None = None) -> list[dict]:
+    """One row per method for each manifest item, the items decoded together (`--batch`: at most
+    `width` rows at once, the next item joining as a row ends: continuous batching; one item:
+    `runs.compare`); an item that fails (its video, its question) gets rows with `error` and the
+    others go on."""
     from .errors import SparsevidError
     from .runs import compare, compare_rows
     from .video import load_video
@@ -193,15 +194,16 @@ def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampl
         if len(ok) == 1:
             results = [compare(loaded, ok[0][2], names, settings, max_new_tokens, sampling)]
         else:
-            results = compare_rows(loaded, [x for _, _, x in ok], names, settings, max_new_tokens, sampling)
+            results = compare_rows(loaded, [x for _, _, x in ok], names, settings, max_new_tokens, sampling,
+                                   width=width)
     except Exception as e:
         return rows + [dict(base(item), method=name, error=error(e)) for item, _, _ in ok for name in names]
-    batch_s = {name: max(t[name].decode_s for t, _ in results) for name in results[0][0]}
     for (item, video, inputs), (traces, figs) in zip(ok, results):
         for name, res in traces.items():
-            # batch_decode_s: the decode time of the batch this item was decoded in (batch_of: its first item)
+            # batch_of: the first item of the batch this item was decoded in (its trace's batch_decode_s:
+            # that batch's decode time)
             row = dict(base(item), method=name, frames=len(video.frames), visual_tokens=inputs.m_v,
-                       prompt_tokens=inputs.m, batch_of=ok[0][0]["id"], batch_decode_s=batch_s[name])
+                       prompt_tokens=inputs.m, batch_of=ok[0][0]["id"])
             row.update(res.to_json())
             row.update(figs.get(name, {}))
             if name == "dense":
@@ -210,6 +212,9 @@ def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampl
             row["correct"] = is_correct(res.text, item)
             rows.append(row)
     return rows
+
+
+CHUNK = 4  # --batch N: items of a chunk (CHUNK x N) flow through N rows (continuous batching)
 
 
 def batch_order(items: list[dict]) -> list[dict]:
@@ -230,7 +235,7 @@ def decode_seconds(rows: list[dict]) -> float | None:
     for r in rows:
         if r.get("decode_s") is None:
             continue
-        batches[r.get("batch_of") or r["id"]] = r.get("batch_decode_s", r["decode_s"])
+        batches[r.get("batch_of") or r["id"]] = r.get("batch_decode_s") or r["decode_s"]
     return sum(batches.values()) if batches else None
 
 
@@ -297,12 +302,15 @@ def eval_main(args) -> int:
             with open(os.path.join(args.out, JOURNAL.format(rank)), "a") as journal:
                 bar = tqdm(total=len(mine), desc="eval", file=sys.stderr,
                            disable=args.quiet or not state.is_main_process)
+                # --batch N: chunks of CHUNK x N items, each decoded N rows at a time (a row that ends
+                # makes room for the chunk's next item), each chunk journaled as it ends
+                size = args.batch * (CHUNK if args.batch > 1 else 1)
                 if args.batch > 1:
                     mine = batch_order(mine)
-                for i in range(0, len(mine), args.batch):
-                    rows = run_items(loaded, mine[i:i + args.batch], names, settings, sampling, settings_dict,
-                                     args.frames, args.max_new_tokens)
-                    bar.update(len(mine[i:i + args.batch]))
+                for i in range(0, len(mine), size):
+                    rows = run_items(loaded, mine[i:i + size], names, settings, sampling, settings_dict,
+                                     args.frames, args.max_new_tokens, width=args.batch)
+                    bar.update(len(mine[i:i + size]))
                     journal.write("".join(json.dumps(r) + "\n" for r in rows))
                     journal.flush()
                     new += rows
@@ -530,8 +538,9 @@ td,th{{border:1px solid #ccc;padding:4px 8px}}</style></head><body>
 def add_arguments(p) -> None:
     """eval's own flags (the model and method flags come from the CLI)."""
     p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (unless the item sets 'frames')")
-    p.add_argument("--batch", type=int, default=1, help="items decoded together (batched decoding; the StD "
-                   "paper: 8): every method gives each item the answer of a batch of one")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together (batched decoding; the StD "
+                   "paper: 8): items flow through N rows, the next joining as a row ends (continuous batching); "
+                   "every method gives each item the answer of a batch of one")
     p.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, report.*)")
     p.add_argument("--report", action="store_true", help="also write report.html and report.md")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

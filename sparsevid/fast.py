@@ -345,7 +345,9 @@ class FastSteps:
 
 def state(loaded) -> str:
     """The loaded model's decode steps in words (for reports): compiled or eager, and why."""
-    return "eager (compilation off)" if loaded.fast is None else loaded.fast.message
+    steps = "eager (compilation off)" if loaded.fast is None else loaded.fast.message
+    note = getattr(loaded, "threads_note", "")
+    return f"{steps}; {note}" if note else steps
 
 
 def enable(loaded, mode: str = "auto") -> FastSteps | None:

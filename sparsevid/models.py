@@ -43,6 +43,9 @@ class Loaded:
     dtype: torch.dtype
     fast: object = None  # `fast.FastSteps` when compiled steps are enabled (`fast.enable`)
     pool: BufferPool | None = None  # CUDA: KV buffers kept between runs (`cache.BufferPool`)
+    # CPU: the intra-op threads decode steps run on (`runs.choose_step_threads`; None: torch's count)
+    step_threads: int | None = None
+    threads_note: str = ""  # how `step_threads` was chosen, in words
 
     @property
     def text_config(self):

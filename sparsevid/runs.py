@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import statistics
 import time
 from typing import Callable
@@ -57,16 +58,18 @@ def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | 
 def run_rows(loaded: Loaded, inputs: list[VideoInputs], name: str, settings: dict | None = None,
              max_new_tokens: int = 96, sampling: Sampling = Sampling(),
              on_token: Callable[[int, int], None] | None = None, capacity_tokens: int = 0,
-             seeds: list[int] | None = None) -> list[Trace]:
+             seeds: list[int] | None = None, width: int | None = None) -> list[Trace]:
     """`run_method` of several prompts decoded together (batched decoding): one trace per row;
-    `on_token(row, token)`; `seeds`: each row's random seed when sampling (default: `sampling.seed`)."""
+    `on_token(row, token)`; `seeds`: each row's random seed when sampling (default: `sampling.seed`);
+    `width`: at most that many rows at once, the next prompt joining as a row ends (continuous
+    batching; default: all at once)."""
     method = METHODS[name]
     config, spec = configure(name, settings)
     hs = None
     if getattr(config, "needs_head_scores", False):
         config, hs = _with_head_scores(config, loaded)
     kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token,
-              capacity_tokens=capacity_tokens, seeds=seeds)
+              capacity_tokens=capacity_tokens, seeds=seeds, width=width)
     if method.kind == "dense":
         traces = decode_rows(loaded, inputs, **kw)
     elif method.kind == "direct":
@@ -100,6 +103,53 @@ def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> 
     return out
 
 
+def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 25) -> str:
+    """CPU: run decode steps on torch's thread count or on one thread, whichever measures faster on
+    this machine and model (once per model; `SPARSEVID_STEP_THREADS=N` sets it instead). A decode
+    step of a small model is hundreds of small ops; where the other threads sleep between them
+    (`OMP_WAIT_POLICY=PASSIVE`, which a shared machine needs) waking them can cost more than the op:
+    a 2-row matmul of the embedded model took 96 us on two threads against 16 us on one. Measured
+    on eager dense steps of this prompt, one row and two rows decoded together, the two settings
+    alternating step by step (medians; the first step is not kept). Returns `loaded.threads_note`."""
+    if loaded.step_threads is not None:
+        return loaded.threads_note
+    n = torch.get_num_threads()
+    if os.environ.get("SPARSEVID_STEP_THREADS"):
+        loaded.step_threads = max(1, int(os.environ["SPARSEVID_STEP_THREADS"]))
+        loaded.threads_note = f"steps on {loaded.step_threads} thread(s) (SPARSEVID_STEP_THREADS)"
+        return loaded.threads_note
+    if loaded.device.type != "cpu" or n == 1:
+        loaded.step_threads = n
+        return ""
+    fast = loaded.fast
+    enabled = fast is not None and fast.enabled
+    if fast is not None:
+        fast.enabled = False  # eager: compiled graphs are then compiled at the chosen count
+    took: dict[int, list[list[float]]] = {n: [[], []], 1: [[], []]}
+    try:
+        for rows in (1, 2):
+            order: list[int] = []
+
+            def alternate(row: int, tok: int) -> None:  # the thread count of the step that follows
+                if row == 0:
+                    loaded.step_threads = (n, 1)[len(order) % 2]
+                    order.append(loaded.step_threads)
+
+            trace = decode_rows(loaded, [inputs] * rows, max_new_tokens=tokens, sampling=Sampling(ignore_eos=True),
+                                on_token=alternate)[0]
+            for threads, s in list(zip(order, trace.step_s))[1:]:
+                took[threads][rows - 1].append(s)
+    finally:
+        if fast is not None:
+            fast.enabled = enabled
+    cost = {t: sum(statistics.median(x) for x in took[t]) for t in took}
+    loaded.step_threads = 1 if cost[1] < cost[n] else n
+    ms = {t: " / ".join(f"{statistics.median(x) * 1e3:.2f}" for x in took[t]) for t in took}
+    loaded.threads_note = (f"steps on {loaded.step_threads} thread(s): eager dense step of 1 / 2 rows "
+                           f"{ms[1]} ms on 1 thread, {ms[n]} ms on {n}")
+    return loaded.threads_note
+
+
 def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None,
                   capacity_tokens: int = 96) -> str:
     """Compile (CPU) or capture (CUDA) every step kind `names` will use (two short runs of each on
@@ -107,6 +157,7 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
     mode, keep the compiled steps only if a dense step measures faster than eager (interleaved,
     medians). With `lock` (the app's run lock), each method's runs hold it and the steps stay eager
     in between, so the app serves eager runs until compilation is done. Returns `message`."""
+    choose_step_threads(loaded, inputs)
     fast = loaded.fast
     if fast is None:
         return "eager"
@@ -174,6 +225,7 @@ def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None]
     once in a short run of each method with the timed runs' cache size (CUDA: the same buffers,
     so their graphs are captured here; CPU: a new length recompiles here if it must). Then one
     short dense run: first-call costs (allocator, kernels, caches) are paid here."""
+    choose_step_threads(loaded, inputs)
     fast = loaded.fast
     if fast is not None and not fast.prepared:
         compile_steps(loaded, inputs, names, settings, capacity_tokens=max_new_tokens)
@@ -198,6 +250,7 @@ def _median_times(runs: list[Trace], pairs: list[float] | None = None) -> Trace:
     return dataclasses.replace(t, prefill_s=statistics.median(r.prefill_s for r in runs),
                                decode_s=statistics.median(r.decode_s for r in runs),
                                decode_runs_s=[r.decode_s for r in runs], dense_pair_s=list(pairs or []),
+                               batch_decode_s=statistics.median(r.batch_decode_s or r.decode_s for r in runs),
                                step_s=sorted(s for r in runs for s in r.step_s))
 
 
@@ -263,12 +316,13 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
 
 def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | str, settings: dict | None = None,
                  max_new_tokens: int = 96, sampling: Sampling = Sampling(), warmup: bool = True,
-                 should_stop: Callable[[], bool] | None = None) -> list[tuple[dict[str, Trace], dict[str, dict]]]:
+                 should_stop: Callable[[], bool] | None = None,
+                 width: int | None = None) -> list[tuple[dict[str, Trace], dict[str, dict]]]:
     """`compare` of several prompts decoded together (batched decoding; `eval --batch`, `run VIDEO Q1
     Q2`, the app's /compare with several questions): dense, each method and dense again, each over
     all the rows in one batch; per row ({method: trace}, {method: figures}), each method's row paired
     with the mean of dense's two runs of that row. `should_stop()` is asked at every token: True
-    raises Cancelled."""
+    raises Cancelled. `width`: at most that many rows at once (continuous batching, `run_rows`)."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
@@ -277,7 +331,7 @@ def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | s
             raise Cancelled
 
     def rows(name: str) -> list[Trace]:
-        return run_rows(loaded, inputs, name, settings, max_new_tokens, sampling, on_token)
+        return run_rows(loaded, inputs, name, settings, max_new_tokens, sampling, on_token, width=width)
 
     if warmup:
         warm_up(loaded, inputs[0], lambda tok: on_token(0, tok), names, settings, max_new_tokens)
@@ -300,8 +354,6 @@ def batch_json(loaded: Loaded, video, questions: list[str], inputs: list[VideoIn
     several questions): model, revision, device, dtype, compile (`state`), video {file, frames,
     duration, timestamps} and batch: per question {question, visual_tokens, prompt_tokens, methods
     {name: trace.to_json() + its figures}}."""
-    import os
-
     from .traces import to_plain
 
     return to_plain(dict(

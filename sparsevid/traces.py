@@ -125,6 +125,9 @@ class Trace:
     dense_pair_s: list[float] = field(default_factory=list)  # the dense decode time each pass is paired with
     fast_steps: int = 0  # decode steps (and verification passes) served by a compiled or captured graph
     batch: int = 1  # prompts decoded together (batched decoding: step times are the batch's)
+    # the decode time of the batch this row was decoded in: every step (round) once, the whole pass
+    # with continuous batching (`engine.decode_rows`' width); one row: its decode_s
+    batch_decode_s: float | None = None
 
     @property
     def total_s(self) -> float:

@@ -53,6 +53,10 @@ def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch)
         batch = runs.run_rows(loaded, inputs, name, settings, max_new_tokens=12)
         assert [t.token_ids for t in batch] == [t.token_ids for t in one], name
         assert all(t.batch == 3 for t in batch)
+        # continuous batching: two rows at a time, the third prompt joining as the first row ends
+        flowing = runs.run_rows(loaded, inputs, name, settings, max_new_tokens=12, width=2)
+        assert [t.token_ids for t in flowing] == [t.token_ids for t in one], name
+        assert all(t.batch == 2 and t.decode_s > 0 for t in flowing)
         if batch[0].kind != "direct":  # lossless: dense's tokens, so the first row ends by its 4th token
             assert len(batch[0].token_ids) <= 4 < max(len(t.token_ids) for t in batch), name
         if batch[0].kind == "direct":  # the same selections per row
@@ -64,6 +68,12 @@ def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch)
     batch = runs.run_rows(loaded, inputs, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12)
     assert [t.token_ids for t in batch] == [t.token_ids for t in one]
     assert len({r.accepted for t in batch for r in t.rounds}) >= 2
+    events = []  # two at a time: row 2 is prefilled while row 1 still decodes
+    flowing = runs.run_rows(loaded, inputs, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12, width=2,
+                            on_token=lambda b, t: events.append(b))
+    rows = "".join(map(str, events))
+    assert [t.token_ids for t in flowing] == [t.token_ids for t in one]
+    assert rows.index("2") < rows.rindex("1") and rows.count("2") == len(one[2].token_ids), rows
 
 
 def test_a_batch_stacks_the_rows_once_and_drops_rows_that_end(ragged, monkeypatch):
@@ -84,6 +94,34 @@ def test_a_batch_stacks_the_rows_once_and_drops_rows_that_end(ragged, monkeypatc
     monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [first[3]]))
     runs.run_rows(loaded, inputs, "std", SETTINGS["std"], max_new_tokens=12)
     assert sizes[0] == 3 and sizes[-1] < 3 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.filterwarnings("ignore:SparseMM")
+def test_a_prompt_that_joins_takes_the_row_that_ended_in_place(ragged, monkeypatch):
+    """Continuous batching, two rows at a time over five prompts: a prompt that joins where a longer
+    one ended is copied into that row of the stacked buffers (the other row untouched, no restack);
+    one that does not fit is stacked again; every row keeps its one-row tokens, for dense, StD
+    (compact draft caches) and SparseMM (per-head layouts)."""
+    from sparsevid import cache as cache_mod
+
+    loaded, inputs = ragged("qwen2_vl")
+    prompts = [inputs[2], inputs[1], inputs[0], inputs[1], inputs[2]]  # 12, 4, 8, 4, 12 frames
+    placed, stacked = [], []
+    real_replace, real_init = cache_mod.Stack.replace, cache_mod.Stack.__init__
+    monkeypatch.setattr(cache_mod.Stack, "replace", lambda self, b, c: placed.append(real_replace(self, b, c))
+                        or placed[-1])
+    monkeypatch.setattr(cache_mod.Stack, "__init__", lambda self, caches, *a, **k: stacked.append(len(caches))
+                        or real_init(self, caches, *a, **k))
+    for name in ("dense", "std", "sparsemm"):
+        # an end token the first (longest) prompt says early: a shorter one joins in its row
+        first = runs.run_method(loaded, prompts[0], name, SETTINGS[name], max_new_tokens=12).token_ids
+        monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self, t=first[3]: [t]))
+        one = [runs.run_method(loaded, x, name, SETTINGS[name], max_new_tokens=12).token_ids for x in prompts]
+        placed.clear()
+        stacked.clear()
+        flowing = runs.run_rows(loaded, prompts, name, SETTINGS[name], max_new_tokens=12, width=2)
+        assert [t.token_ids for t in flowing] == one, name
+        assert any(placed) and stacked.count(2) < 4, (name, placed, stacked)
 
 
 def test_write_at_per_row_and_head_positions():
