@@ -205,17 +205,30 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
     rows = max(len(f) for f in feeds)
     if pad_to and fast is not None and fast.enabled and dev.type == "cuda":
         rows = max(rows, pad_to)
-    ids = torch.tensor([(f or [0]) + (f or [0])[-1:] * (rows - max(1, len(f))) for f in feeds], device=dev)
-    pos = torch.cat([loaded.adapter.position_ids(c.length + r.position_offset, rows, dev)
-                     for r, c in zip(runs, caches)], dim=-2)
+    idle = _idle_rows(caches)
+    slot = list(range(len(runs))) if idle is None else idle[1]  # each run's row of the step
+    B = len(runs) if idle is None else len(idle[0].caches)
+    fed, at = [[0]] * B, [None] * B  # an idle row (it ended): token 0 at its first generated position
+    for b, r, f in zip(slot, runs, feeds):
+        fed[b], at[b] = f or [0], r
+    ids = torch.tensor([f + f[-1:] * (rows - len(f)) for f in fed], device=dev)
+    pos = torch.cat([loaded.adapter.position_ids(0 if r is None else r.cache.length + r.position_offset, rows, dev)
+                     for r in at], dim=-2)
     watched = len(runs) == 1 and runs[0].on_decode_attention is not None
     with step_threads(loaded):
-        bufs = None if watched else batch_buffers(loaded, caches, caches[0].mode, num_layers)
+        if watched:
+            bufs = None
+        elif idle is not None:
+            bufs = stack_buffers(idle[0], caches[0].mode, num_layers)
+        else:
+            bufs = batch_buffers(loaded, caches, caches[0].mode, num_layers)
         if bufs is None:  # eager, through the run (one row: calibration, or a layer with nothing to read)
             with active(runs[0]):
                 logits = text_step(loaded.model, ids, pos, caches[0], num_layers)
         else:
-            lengths = torch.tensor([c.length for c in caches], device=dev)[:, None]
+            stacked = caches if idle is None else idle[0].caches
+            lengths = torch.tensor([c.length if r is not None else c.prompt_len for c, r in zip(stacked, at)],
+                                   device=dev)[:, None]
             start = bufs[2] + lengths
             logits = None if fast is None else fast.step(bufs, start, ids, pos)  # None: eager
             if logits is not None:
@@ -225,7 +238,27 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
                 logits = static_step(loaded.model, ids, pos, bufs[0], bufs[1], start)
     for c, f in zip(caches, feeds):
         c.advance(len(f))
-    return [logits[b, :len(f)] for b, f in enumerate(feeds)]
+    return [logits[b, :len(f)] for b, f in zip(slot, feeds)]
+
+
+def _idle_rows(caches: list) -> tuple | None:
+    """(stack, each cache's row in it) where several caches are rows of one `cache.Stack`, in its
+    order, with rows of the stack that have ended between them, and the live rows more than half of
+    it: the step runs over the whole stack, the ended rows idle (their output unused), instead of
+    stacking the live rows again (which copies all their KV: at long prompts a row ending every
+    few rounds cost more than the idle rows' reads). None otherwise."""
+    stack = caches[0].stack if len(caches) > 1 else None
+    if stack is None or len(caches) >= len(stack.caches) or 2 * len(caches) <= len(stack.caches):
+        return None
+    rows, j = [], 0
+    for c in caches:
+        while j < len(stack.caches) and stack.caches[j] is not c:
+            j += 1
+        if j == len(stack.caches) or c.stack is not stack:
+            return None
+        rows.append(j)
+        j += 1
+    return stack, rows
 
 
 def layer_records(selections: dict[int, LayerSelection], rows: dict[int, torch.Tensor] | None = None,

@@ -76,24 +76,32 @@ def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch)
     assert rows.index("2") < rows.rindex("1") and rows.count("2") == len(one[2].token_ids), rows
 
 
-def test_a_batch_stacks_the_rows_once_and_drops_rows_that_end(ragged, monkeypatch):
-    """The rows share one buffer per layer ([B, ...]) while all decode, and a smaller one after a
-    row ends; each row's cache is a view of it (rollback and refresh stay per row)."""
+def test_a_batch_stacks_the_rows_once_and_steps_over_rows_that_end(ragged, monkeypatch):
+    """The rows share one buffer per layer ([B, ...]); while more than half of them still decode,
+    rows that ended sit idle in it (no copy); once at most half are left, those are stacked again
+    (a smaller buffer). Each row's cache is a view of it (rollback and refresh stay per row)."""
     from sparsevid import cache as cache_mod
 
     loaded, inputs = ragged("qwen2_vl")
-    sizes = []
-    real = cache_mod.Stack.__init__
+    prompts = inputs + inputs[::-1]  # six rows
+    sizes, idle = [], []
+    real, real_idle = cache_mod.Stack.__init__, engine._idle_rows
 
     def spy(self, caches, *a, **k):
         sizes.append(len(caches))
         real(self, caches, *a, **k)
 
     monkeypatch.setattr(cache_mod.Stack, "__init__", spy)
-    first = runs.run_method(loaded, inputs[0], "dense", max_new_tokens=12).token_ids
+    monkeypatch.setattr(engine, "_idle_rows", lambda caches: idle.append(real_idle(caches)) or idle[-1])
+    one = [runs.run_method(loaded, x, "std", SETTINGS["std"], max_new_tokens=12).token_ids for x in prompts]
+    first = one[0]
     monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [first[3]]))
-    runs.run_rows(loaded, inputs, "std", SETTINGS["std"], max_new_tokens=12)
-    assert sizes[0] == 3 and sizes[-1] < 3 and sizes == sorted(sizes, reverse=True)
+    one = [runs.run_method(loaded, x, "std", SETTINGS["std"], max_new_tokens=12).token_ids for x in prompts]
+    sizes.clear()
+    batch = runs.run_rows(loaded, prompts, "std", SETTINGS["std"], max_new_tokens=12)
+    assert [t.token_ids for t in batch] == one
+    assert sizes[0] == 6 and all(n <= 3 for n in sizes[1:]), sizes
+    assert any(i is not None and len(i[1]) < 6 for i in idle)  # steps with ended rows idle
 
 
 @pytest.mark.filterwarnings("ignore:SparseMM")
