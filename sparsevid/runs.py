@@ -103,14 +103,16 @@ def figures(trace: Trace, dense: Trace, loaded: Loaded, inputs: VideoInputs) -> 
     return out
 
 
-def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 25) -> str:
+def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, long_step_s: float = 0.05) -> str:
     """CPU: run decode steps on torch's thread count or on one thread, whichever measures faster on
     this machine and model (once per model; `SPARSEVID_STEP_THREADS=N` sets it instead). A decode
     step of a small model is hundreds of small ops; where the other threads sleep between them
     (`OMP_WAIT_POLICY=PASSIVE`, which a shared machine needs) waking them can cost more than the op:
     a 2-row matmul of the embedded model took 96 us on two threads against 16 us on one. Measured
     on eager dense steps of this prompt, one row and two rows decoded together, the two settings
-    alternating step by step (medians; the first step is not kept). Returns `loaded.threads_note`."""
+    alternating step by step (medians; the first step is not kept); a model whose one-row step
+    takes longer than `long_step_s` on all threads keeps them without the two-row pass (its ops are
+    large: threads pay, and its steps are costly to time). Returns `loaded.threads_note`."""
     if loaded.step_threads is not None:
         return loaded.threads_note
     n = torch.get_num_threads()
@@ -139,14 +141,20 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 25) -
                                 on_token=alternate)[0]
             for threads, s in list(zip(order, trace.step_s))[1:]:
                 took[threads][rows - 1].append(s)
+            if statistics.median(took[n][0]) > long_step_s:
+                break
     finally:
         if fast is not None:
             fast.enabled = enabled
-    cost = {t: sum(statistics.median(x) for x in took[t]) for t in took}
-    loaded.step_threads = 1 if cost[1] < cost[n] else n
-    ms = {t: " / ".join(f"{statistics.median(x) * 1e3:.2f}" for x in took[t]) for t in took}
-    loaded.threads_note = (f"steps on {loaded.step_threads} thread(s): eager dense step of 1 / 2 rows "
-                           f"{ms[1]} ms on 1 thread, {ms[n]} ms on {n}")
+    cost = {t: sum(statistics.median(x) for x in took[t] if x) for t in took}
+    loaded.step_threads = 1 if took[n][1] and cost[1] < cost[n] else n
+    ms = {t: " / ".join(f"{statistics.median(x) * 1e3:.2f}" for x in took[t] if x) for t in took}
+    if not took[n][1]:
+        loaded.threads_note = (f"steps on {n} threads: an eager dense step takes {ms[n]} ms on {n}, "
+                               f"{ms[1]} ms on 1 (large ops: threads pay)")
+    else:
+        loaded.threads_note = (f"steps on {loaded.step_threads} thread(s): eager dense step of 1 / 2 rows "
+                               f"{ms[1]} ms on 1 thread, {ms[n]} ms on {n}")
     return loaded.threads_note
 
 

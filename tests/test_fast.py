@@ -124,6 +124,31 @@ def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monke
     backend.get_model.cache_clear()
 
 
+def test_decode_steps_run_on_the_thread_count_that_measures_faster(tiny_model_dir, monkeypatch):
+    """`runs.choose_step_threads`: once per model, torch's count or one thread, by timing steps of
+    one and two rows; the steps then run on it (and torch's count is back for the prefill); a model
+    whose steps are long keeps every thread; SPARSEVID_STEP_THREADS sets it."""
+    from sparsevid.engine import step_threads
+    from sparsevid.models import load_model
+    from sparsevid.runs import choose_step_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    x = None
+    for env, long_step_s, expect in ((None, 0.05, {1, 2}), (None, 0.0, {2}), ("1", 0.05, {1})):
+        loaded = load_model(tiny_model_dir("qwen2_vl"), device="cpu", dtype="float32")
+        x = x or loaded.adapter.build_inputs(np.zeros((4, 56, 56, 3), np.uint8), "what colour is the object ?")
+        if env:
+            monkeypatch.setenv("SPARSEVID_STEP_THREADS", env)
+        note = choose_step_threads(loaded, x, long_step_s=long_step_s)
+        assert loaded.step_threads in expect and f"steps on {loaded.step_threads} thread" in note, note
+        assert choose_step_threads(loaded, x) == note  # once per model
+        with step_threads(loaded):
+            assert torch.get_num_threads() == loaded.step_threads
+        assert torch.get_num_threads() == 2
+    torch.set_num_threads(before)
+
+
 def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     from sparsevid import cli
 
