@@ -158,6 +158,23 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     return loaded.threads_note
 
 
+def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict | None, max_new_tokens: int,
+              on_token: Callable[[int, int], None] | None = None) -> None:
+    """`warm_up` for a batch of len(inputs) rows: where batches step through graphs (CUDA: one
+    captured graph per batch size; CPU with SPARSEVID_CPU_BATCH_COMPILE=1: one compiled graph for
+    every size), a short run of each method on these rows captures or compiles them here, not in a
+    timed run. Once per batch size, methods and settings."""
+    fast = loaded.fast
+    if len(inputs) < 2 or fast is None or not fast.enabled or (loaded.device.type != "cuda" and not fast.batched):
+        return
+    key = ("rows", len(inputs), tuple(names), tuple(sorted((settings or {}).items())), max_new_tokens)
+    if key in fast.warmed:
+        return
+    for name in dict.fromkeys(["dense", *names]):
+        run_rows(loaded, inputs, name, settings, 8, Sampling(ignore_eos=True), on_token, capacity_tokens=max_new_tokens)
+    fast.warmed.add(key)
+
+
 def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None,
                   capacity_tokens: int = 96) -> str:
     """Compile (CPU) or capture (CUDA) every step kind `names` will use (two short runs of each on
@@ -343,6 +360,7 @@ def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | s
 
     if warmup:
         warm_up(loaded, inputs[0], lambda tok: on_token(0, tok), names, settings, max_new_tokens)
+        warm_rows(loaded, inputs[:width or len(inputs)], names, settings, max_new_tokens, on_token)
     first = rows("dense")
     traces = {name: rows(name) for name in names[1:]}
     last = rows("dense") if len(names) > 1 else first

@@ -50,6 +50,27 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
     assert loaded.fast.calls - calls >= 4 * 2 * 19  # every run's decode steps went through the graph
 
 
+def test_compiled_batches_are_compiled_in_the_warm_up_and_give_eager_tokens(tiny_loaded, eager_after):
+    """SPARSEVID_CPU_BATCH_COMPILE's graphs (one for every batch size): `runs.compare_rows` compiles
+    them in its warm-up (`warm_rows`), so its timed batched runs compile nothing, with each row's
+    eager tokens."""
+    from sparsevid.runs import compare_rows, warm_rows, warm_up
+
+    loaded = tiny_loaded("qwen2_vl")
+    rows = [loaded.adapter.build_inputs(clip(n, seed=n), "what colour is the object ?") for n in (8, 12, 4)]
+    eager = {n: [run_method(loaded, x, n, SETTINGS, 12).token_ids for x in rows] for n in ("dense", "std")}
+    fast.enable(loaded, "on")
+    loaded.fast.batched = True
+    warm_up(loaded, rows[0], names=["dense", "std"], settings=SETTINGS, max_new_tokens=12)  # compare_rows' warm-up
+    warm_rows(loaded, rows[:2], ["dense", "std"], SETTINGS, 12)
+    before, calls = graphs(), loaded.fast.calls
+    out = compare_rows(loaded, rows, ["dense", "std"], SETTINGS, 12, width=2, warmup=False)
+    assert graphs() == before, "a batched step compiled in a timed run"
+    assert [r["dense"].token_ids for r, _ in out] == eager["dense"]
+    assert [r["std"].token_ids for r, _ in out] == eager["std"]
+    assert loaded.fast.calls > calls and all(r["std"].fast_steps for r, _ in out)
+
+
 def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eager_after):
     """HT-Sparse's and SparseMM's per-head layouts (ragged lengths, masks, scales) through the graph, and eager
     where `per_head` is off (auto mode turns it off where their compiled step measures slower)."""
