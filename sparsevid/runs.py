@@ -163,7 +163,8 @@ def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict |
     """`warm_up` for a batch of len(inputs) rows: where batches step through graphs (CUDA: one
     captured graph per batch size; CPU with SPARSEVID_CPU_BATCH_COMPILE=1: one compiled graph for
     every size), a short run of each method on these rows captures or compiles them here, not in a
-    timed run. Once per batch size, methods and settings."""
+    timed run (on CUDA the full batch's; a batch that shrinks to a new size as rows end still
+    captures that size at its first step). Once per batch size, methods and settings."""
     fast = loaded.fast
     if len(inputs) < 2 or fast is None or not fast.enabled or (loaded.device.type != "cuda" and not fast.batched):
         return
