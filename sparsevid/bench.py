@@ -219,10 +219,10 @@ def batch_bench(args, loaded, names: list, settings: dict) -> int:
     rows = []
     bar = tqdm(total=len(frame_counts) * len(batches) * batch_passes(names, args), desc="bench", file=sys.stderr)
     try:
-        for F in frame_counts:
-            clips = toy_clips(max(batches), F, args.types)
+        for n_frames in frame_counts:
+            clips = toy_clips(max(batches), n_frames, args.types)
             inputs = [loaded.adapter.build_inputs(f, q).to(loaded.device) for f, q, _ in clips]
-            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(frames=F), bar)
+            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(frames=n_frames), bar)
     finally:
         bar.close()
     return print_batch_rows(args, loaded, settings, rows)
@@ -331,29 +331,18 @@ def shape_loaded(name: str, dev: torch.device, dtype: torch.dtype, layers: int |
     from .adapters import adapter_for
     from .cache import BufferPool
     from .models import Loaded
-    from .tiny import make_tokenizer, tiny_config
+    from .tiny import make_tokenizer, tiny_config, token_ids
 
-    shape = dict(SHAPES[name], max_position_embeddings=131072)
-    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
-    vocab = shape.pop("vocab_size") if dev.type == "cuda" else 4096  # as `shape_model`: short CPU runs
-    tok = make_tokenizer(vocab_size=vocab)
-    ids = dict(bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
-    shape.pop("vocab_size", None)
+    shape = shape_fields(name, dev, layers)
+    tok = make_tokenizer(vocab_size=shape.pop("vocab_size"))
+    ids = token_ids(tok)
     config = tiny_config("qwen2_vl", len(tok), token_ids=ids, initializer_range=0.02, **shape)
     folder = tempfile.mkdtemp(prefix="sparsevid-shape-")
     tok.save_pretrained(folder)
     with open(f"{folder}/preprocessor_config.json", "w") as f:
         json.dump(dict(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=448 * 448,
                        max_pixels=448 * 448), f)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(old)
+    model = random_model(transformers.Qwen2VLForConditionalGeneration, config, dev, dtype)
     model.generation_config.update(**ids)
     model.set_attn_implementation({"text_config": attention.NAME})
     attention.install(model)
@@ -625,21 +614,33 @@ def shape_model(name: str, dev: torch.device, dtype: torch.dtype, layers: int | 
     directly (initialising 7.6 B parameters on the CPU first takes minutes)."""
     import transformers
 
-    shape = dict(SHAPES[name])
-    shape.update(num_hidden_layers=layers or shape["num_hidden_layers"], max_position_embeddings=131072)
-    if dev.type != "cuda":
-        shape["vocab_size"] = 4096  # the LM head's cost does not depend on the cache; keep CPU runs short
-    config = transformers.Qwen2Config(**shape)
+    config = transformers.Qwen2Config(**shape_fields(name, dev, layers))
     config._attn_implementation = "sparsevid"
+    return random_model(transformers.Qwen2ForCausalLM, config, dev, dtype), config
+
+
+def shape_fields(name: str, dev: torch.device, layers: int | None = None) -> dict:
+    """The text config fields of shape `name` with `layers` decoder layers (default all) and room for
+    128k positions; on a CPU a 4,096-word vocabulary (the LM head's cost does not depend on the
+    cache; keep CPU runs short)."""
+    shape = dict(SHAPES[name], max_position_embeddings=131072)
+    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
+    if dev.type != "cuda":
+        shape["vocab_size"] = 4096
+    return shape
+
+
+def random_model(cls, config, dev: torch.device, dtype: torch.dtype):
+    """`cls(config)` with random weights (seed 0) in `dtype`, built on `dev` directly (initialising
+    7.6 B parameters on the CPU first takes minutes)."""
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(dev):
-            model = transformers.Qwen2ForCausalLM(config).eval()
+            return cls(config).eval()
     finally:
         torch.set_default_dtype(old)
-    return model, config
 
 
 @torch.inference_mode()

@@ -411,8 +411,8 @@ class Stack:
         self.buffers = Buffers(pool)
         B = len(caches)
         self.dense: list[tuple | None] = []
-        # per layer: [k, v, bias, scale, width, offsets [B, width]] of the stacked compact caches, or None
-        self.sparse: list[list | None] = []
+        # per layer: (k, v, bias, scale, width, offsets [B, width]) of the stacked compact caches, or None
+        self.sparse: list[tuple | None] = []
         for i in range(len(caches[0].layers)):
             rows = [c.layers[i] for c in caches]
             if any(r.sparse is not None for r in rows):
@@ -427,7 +427,7 @@ class Stack:
                     scale = self.buffers.zeros(("stack", i, "scale"), (B, num_heads), k.dtype, k.device)
                 width = 1 if all(s.uniform for s in sps) else Hkv
                 offsets = torch.zeros(B, width, dtype=torch.long, device=k.device)
-                self.sparse.append([k, v, bias, scale, width, offsets])
+                self.sparse.append((k, v, bias, scale, width, offsets))
             else:
                 self.sparse.append(None)
             if all(r.is_initialized for r in rows):

@@ -56,7 +56,7 @@ def cmd_run(args) -> int:
     from .methods import check_settings, parse_methods
     from .models import load_model
     from .fast import enable as enable_steps, state as fast_state
-    from .runs import batch_json, compare, compare_rows
+    from .runs import batch_json, compare, compare_rows, comparison_json
     from .video import load_video
 
     names = parse_methods(args.methods)
@@ -113,12 +113,7 @@ def cmd_run(args) -> int:
         return 0
     traces, figs = results[0]
     if args.json:
-        out = dict(model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
-                   compile=fast_state(loaded),
-                   video=dict(file=os.path.basename(args.video), frames=len(video.frames), visual_tokens=inputs.m_v,
-                              prompt_tokens=inputs.m, duration=video.duration, timestamps=video.timestamps),
-                   methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()})
-        print(json.dumps(out))
+        print(json.dumps(comparison_json(loaded, video, inputs, traces, figs, fast_state(loaded))))
         return 0
     print(f"{loaded.name}: {len(video.frames)} frames, {inputs.m_v} visual tokens, {inputs.m} prompt tokens")
     for n, t in traces.items():

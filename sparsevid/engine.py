@@ -330,14 +330,18 @@ class _Rows:
     def admit(self) -> list[int]:
         """Prefill waiting prompts while fewer than `width` rows are live (the first call: the first
         `width` prompts); the live rows."""
-        while self.waiting and len(self.live) < self.width:
-            b = self.join()
-            if b is not None:
-                self.live.append(b)
+        while len(self.live) < self.width and (b := self.join()) is not None:
+            self.live.append(b)
         return self.live
 
     def join(self) -> int | None:
-        """Prefill the next waiting prompt: its row, or None where it ended at its first token."""
+        """Prefill waiting prompts until one does not end at its first token: its row (None: none left)."""
+        while self.waiting:
+            if (b := self._prefill_next()) is not None:
+                return b
+        return None
+
+    def _prefill_next(self) -> int | None:
         b = self.waiting.pop(0)
         x = self.inputs[b]
         run = self.runs[b] = self.make_run(x)
@@ -376,13 +380,7 @@ class _Rows:
                 self.end(b)
                 slots.append(i)
         for i in slots:
-            while self.waiting:
-                b = self.join()
-                if b is not None:
-                    self.live[i] = b
-                    break
-            else:
-                self.live[i] = None
+            self.live[i] = self.join()
         self.live = [b for b in self.live if b is not None]
         return self.admit()
 

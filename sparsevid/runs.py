@@ -375,18 +375,37 @@ def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | s
     return out
 
 
+def _methods_json(traces: dict[str, Trace], figs: dict[str, dict]) -> dict:
+    return {n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()}
+
+
+def _header_json(loaded: Loaded, video, state: str, **video_fields) -> dict:
+    """model, revision, device, dtype, compile (`state`) and video {file (its name only: no server
+    path, and no "path" key, which gradio_client would download as a file), frames, duration,
+    timestamps, **video_fields}."""
+    return dict(model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
+                compile=state, video=dict(file=os.path.basename(video.path), frames=len(video.frames),
+                                          duration=video.duration, timestamps=video.timestamps, **video_fields))
+
+
+def comparison_json(loaded: Loaded, video, inputs: VideoInputs, traces: dict[str, Trace], figs: dict[str, dict],
+                    state: str) -> dict:
+    """`compare`'s results as plain data (`run VIDEO Q --json`, the app's /compare): `_header_json`
+    with the video's visual_tokens and prompt_tokens, and methods {name: trace.to_json() + its
+    figures}."""
+    from .traces import to_plain
+
+    return to_plain(dict(_header_json(loaded, video, state, visual_tokens=inputs.m_v, prompt_tokens=inputs.m),
+                         methods=_methods_json(traces, figs)))
+
+
 def batch_json(loaded: Loaded, video, questions: list[str], inputs: list[VideoInputs],
                results: list[tuple[dict[str, Trace], dict[str, dict]]], state: str) -> dict:
     """`compare_rows`' results as plain data (`run VIDEO Q1 Q2 --json`, the app's /compare with
-    several questions): model, revision, device, dtype, compile (`state`), video {file, frames,
-    duration, timestamps} and batch: per question {question, visual_tokens, prompt_tokens, methods
-    {name: trace.to_json() + its figures}}."""
+    several questions): `_header_json` and batch: per question {question, visual_tokens,
+    prompt_tokens, methods {name: trace.to_json() + its figures}}."""
     from .traces import to_plain
 
-    return to_plain(dict(
-        model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
-        compile=state, video=dict(file=os.path.basename(video.path), frames=len(video.frames),
-                                  duration=video.duration, timestamps=video.timestamps),
-        batch=[dict(question=q, visual_tokens=x.m_v, prompt_tokens=x.m,
-                    methods={n: dict(t.to_json(), **f.get(n, {})) for n, t in tr.items()})
-               for q, x, (tr, f) in zip(questions, inputs, results)]))
+    return to_plain(dict(_header_json(loaded, video, state),
+                         batch=[dict(question=q, visual_tokens=x.m_v, prompt_tokens=x.m, methods=_methods_json(tr, f))
+                                for q, x, (tr, f) in zip(questions, inputs, results)]))

@@ -36,6 +36,12 @@ def make_tokenizer(extra_words=(), vocab_size: int | None = None) -> PreTrainedT
     return fast
 
 
+def token_ids(tok) -> dict:
+    """bos / eos / pad ids of a `make_tokenizer` vocabulary, as a model config and generation config take them."""
+    return dict(bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+
+
 # One user turn with a video and a question, rendered as the llava-hf LLaVA-OneVision checkpoints'
 # shipped template renders it: "<|im_start|>user <video>\n{question}<|im_end|><|im_start|>assistant\n".
 LLAVA_OV_CHAT_TEMPLATE = (
@@ -106,8 +112,7 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, preprocessor: dict |
     from .models import MODEL_CLASSES
 
     tok = make_tokenizer(vocab_size=256)
-    ids = dict(bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
+    ids = token_ids(tok)
     config = tiny_config(arch, len(tok), token_ids=ids, **over)
     for c in (config, config.get_text_config()):
         for k, v in ids.items():

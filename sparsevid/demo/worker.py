@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -22,14 +21,13 @@ from ..errors import InputError, SparsevidError
 from ..fast import state as steps_state
 from ..methods import METHODS, parse_methods
 from .. import runs
-from ..runs import batch_json, compare, compare_rows, prompt_info
+from ..runs import batch_json, compare, compare_rows, comparison_json, prompt_info
 from ..video import load_video
 from . import backend
 from .config import FRAMES, MAX_MINUTES, MAX_NEW_TOKENS, MAX_QUESTION_CHARS, MAX_UPLOAD_MB, TIMING_BUDGET_S, \
     TIMING_MAX_REPEATS, TIMING_REPEATS, find_example, sampled_boxes, settings_from
 from .panels import NO_SPEEDUP, View, all_panels, build_view, fmt_bytes
 from .scope import scope_note
-from ..traces import to_plain
 
 log = logging.getLogger("sparsevid.demo")
 PASSES = (f"{TIMING_REPEATS} passes" if TIMING_MAX_REPEATS <= TIMING_REPEATS else
@@ -150,18 +148,10 @@ def _whole(label: str, value, spec: dict) -> int:
     return number
 
 
-def result_json(loaded, video: str, vid, inputs, traces: dict, figs: dict) -> dict:
-    """The comparison as plain data, the same JSON as `python -m sparsevid run --json`: model,
-    revision, device, dtype, compile (the decode steps: compiled or eager, `fast.state`), video
-    {file, frames, visual_tokens, prompt_tokens, duration, timestamps} and methods
-    {name: trace.to_json() + its figures}. `file` is the clip's file name only: no server path, and
-    no "path" key (gradio_client downloads any dict with one as a file, losing the block)."""
-    return to_plain(dict(
-        model=loaded.name, revision=loaded.revision, device=str(loaded.device), dtype=str(loaded.dtype)[6:],
-        compile=steps_state(loaded),
-        video=dict(file=os.path.basename(video), frames=len(vid.frames), visual_tokens=inputs.m_v, prompt_tokens=inputs.m,
-                   duration=vid.duration, timestamps=vid.timestamps),
-        methods={n: dict(t.to_json(), **figs.get(n, {})) for n, t in traces.items()}))
+def result_json(loaded, vid, inputs, traces: dict, figs: dict) -> dict:
+    """The comparison as plain data, the same JSON as `python -m sparsevid run --json`
+    (`runs.comparison_json`, the decode steps' state from `fast.state`)."""
+    return comparison_json(loaded, vid, inputs, traces, figs, steps_state(loaded))
 
 
 _STOPS: dict[str, threading.Event] = {}  # session key -> the stop flag of its current run
@@ -351,7 +341,7 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
         yield Update(status=f"⚠️ {msg}", cards=cards(), error=msg, note=note)
         return
     results, figs = out
-    result = result_json(loaded, video, vid, inputs, results, figs)
+    result = result_json(loaded, vid, inputs, results, figs)
     try:
         view = build_view(results, figs, prompt_info(inputs), inputs.frames, inputs.timestamps,
                           (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads),
