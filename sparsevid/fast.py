@@ -32,7 +32,7 @@ and keeps the compiled steps only where a dense step then measures faster than e
 eager. A failed compilation never fails a run: the step falls back to eager and the reason is kept
 in `FastSteps.message`. The compiled code is cached on disk (inductor's cache, under
 `~/.cache/sparsevid/inductor` unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles
-faster; tracing is paid once per process.
+faster (set in `sparsevid/__init__.py`); tracing is paid once per process.
 
 Measured on the embedded model (2 CPU threads): a compiled dense step is 47-68 % of the eager one
 (`bench` prints both); of a compiled step, ~0.2 ms is dynamo's guard check and ~0.05 ms the
@@ -291,8 +291,6 @@ class FastSteps:
     def compiled_step(self):
         """`static_step` compiled by inductor for the CPU (built once; graphs are compiled at first calls)."""
         if self.compiled is None:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                                  os.path.join(os.path.expanduser("~"), ".cache", "sparsevid", "inductor"))
             import torch._dynamo
             import torch.fx.experimental._config as fx_config
 
