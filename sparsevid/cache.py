@@ -1,12 +1,13 @@
 """KV caches: a preallocated dense cache and, per layer, a compact sparse cache.
 
-`KVCache` is a transformers `Cache`, so the model's own attention modules write into it. Batch size
-is 1 throughout (one video, one question). Two logical lengths are tracked:
+`KVCache` is a transformers `Cache`, so the model's own attention modules write into it. One cache holds
+one prompt (batched decoding stacks several caches' buffers: `Stack`). Two logical lengths are tracked:
 
 - the **dense** cache: per layer `[1, Hkv, capacity, D]`, written in place (no `torch.cat` per step);
 - the **sparse** cache (`SparseKV`, one per layer whose policy selected): the kept prompt entries
   of every KV head in one buffer (head h's K_h entries first, then its generated tokens), gathered
-  once at prefill; attention reads what each head kept, in one call per layer. Its buffer holds
+  once at prefill; attention reads what each head kept, in one call per layer (two on the CPU where
+  heads of very different lengths would read much padding: `head_parts`). Its buffer holds
   the largest head's K_max + room for generated tokens per head. A layer whose policy keeps
   everything has no compact copy: it uses the dense one.
 
@@ -186,6 +187,31 @@ def grouped_sdpa(query, key, value, scale, bias=None):
     return out.reshape(1, H, q, D).transpose(1, 2)  # SDPA's CUDA output need not be contiguous here
 
 
+# A compact cache's heads split into two attention calls (`head_parts`) where one padded call would
+# read at least this many more K elements (KV head x entry x head dim) per step than two: the CPU's
+# SDPA reads a buffer's padding too (masked), and a second call has a fixed cost. Measured on 2 CPU
+# threads, one full KV head at m entries and the others at 0.79 m (HT-Sparse's layout), one call vs
+# two: head dim 24 (the embedded model) even at ~140,000 (m = 9,300: 524 vs 529 us), head dim 128
+# (7B heads) even at ~100,000-190,000 (m = 1,200-2,400) and 11-19 % faster from ~380,000 (m = 4,700).
+SPLIT_MIN_SAVED = 150_000
+
+
+def head_parts(lens: list[int], head_dim: int, device) -> list[list[int]] | None:
+    """KV heads of a compact cache in two groups, the longest first, each attended by its own call over
+    its own buffer (the SDPA backend reads every head up to the longest's length): split where the
+    elements saved, (Hkv - s) (K_max - K_s) head_dim at the best split s of the heads sorted by
+    length, reach `SPLIT_MIN_SAVED`. None: one call (the Triton backend stops at each head's length)."""
+    from .kernels import backend
+
+    if len(lens) < 2 or backend(torch.device(device)) != "sdpa":
+        return None
+    order = sorted(range(len(lens)), key=lambda h: -lens[h])  # stable: ties keep head order
+    saved, s = max(((len(lens) - s) * (lens[order[0]] - lens[order[s]]), s) for s in range(1, len(lens)))
+    if saved == 0 or saved * head_dim < SPLIT_MIN_SAVED:
+        return None
+    return [sorted(order[:s]), sorted(order[s:])]
+
+
 class SparseKV:
     """One layer's compact cache: the kept prompt entries of every KV head + generated tokens, in one
     buffer, so a step attends the whole layer in one call whatever the selection.
@@ -199,19 +225,46 @@ class SparseKV:
     `head_scale` [H]: a query head's output multiplier (0: dropped). StD's top-K, Streaming and a
     selection that keeps everything have equal K_h and no mask: dense's arithmetic on fewer entries.
     Memory held: Hkv (K_max + gen_capacity) entries; `nbytes` counts the entries kept.
+
+    `parts`: where the SDPA backend would read much padding (one HT-Sparse full head among short
+    sparse ones: every head read up to the full one's length), the heads are split in two groups
+    (`head_parts`), each a `SparseKV` of its own over its KV heads `heads` [h_j] (query heads
+    `qheads` [h_j G]), and a step makes one call per group (`fast.Split`); k, v, bias are then None.
+    The same entries, the same arithmetic per head. `merge()` puts them back in one buffer (a batch's
+    `Stack` holds one buffer per layer).
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
-                 num_heads: int, bufs: Buffers | None = None, layer: int = 0):
+                 num_heads: int, bufs: Buffers | None = None, layer=0, split: bool = True):
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
         bufs = bufs or Buffers(None)
-        self.selection = sel
+        self.selection, self.bufs, self.layer, self.gen_capacity = sel, bufs, layer, gen_capacity
+        self.num_heads, self.head_dim, self.dtype = num_heads, D, keys.dtype
         lens = sel.lengths
         K = max(lens)
         self.uniform = min(lens) == K  # every KV head keeps the same number of prompt entries (no padding)
         self.starts = lens[:1] if self.uniform else lens
+        self.head_scale = None
+        if sel.head_scale is not None:
+            self.head_scale = bufs.like(("sparse", layer, "scale"), sel.head_scale.to(dev, keys.dtype))
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, SparseKV]] | None = None
+        groups = head_parts(lens, D, dev) if split else None
+        if groups is not None:  # (KV heads [h_j], query heads [h_j G], the group's own compact cache)
+            self.k = self.v = self.bias = None
+            self.lens = torch.tensor(lens, device=dev)
+            self.parts = []
+            for j, heads in enumerate(groups):
+                qmask = None if sel.query_mask is None else sel.query_mask.view(Hkv, G, m)[heads].reshape(-1, m)
+                part = LayerSelection([sel.keep[h] for h in heads], qmask)
+                idx = torch.tensor(heads, device=dev)
+                qheads = (idx[:, None] * G + torch.arange(G, device=dev)).reshape(-1)
+                self.parts.append((idx, qheads, SparseKV(keys.index_select(1, idx), values.index_select(1, idx), part,
+                                                         gen_capacity, len(heads) * G, bufs, (layer, j), False)))
+            cat = torch.cat([q for _, q, _ in self.parts])
+            self.order = torch.empty_like(cat).scatter_(0, cat, torch.arange(num_heads, device=dev))  # head -> its row
+            return
         self.lens = bufs.like(("sparse", layer, "lens"), torch.tensor(self.starts, device=dev))
         shape = (1, Hkv, K + gen_capacity, D)  # zeros: see `fast` (the unfilled tail is never read)
         self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
@@ -226,9 +279,34 @@ class SparseKV:
             self.bias = bufs.zeros(("sparse", layer, "bias"), (Hkv, G, K + gen_capacity), keys.dtype, dev)
             for h, idx in enumerate(sel.keep):
                 self.bias[h, :, :len(idx)].masked_fill_(~qmask[h][:, idx.to(dev)], float("-inf"))
-        self.head_scale = None
-        if sel.head_scale is not None:
-            self.head_scale = bufs.like(("sparse", layer, "scale"), sel.head_scale.to(dev, keys.dtype))
+
+    def merge(self) -> "SparseKV":
+        """Put the heads of a split cache (`parts`) back in one buffer, generated entries included
+        (a batch stacks one buffer per layer); the parts' buffers are given back. Returns self."""
+        if self.parts is None:
+            return self
+        Hkv, K = len(self.selection.keep), max(self.selection.lengths)
+        dev = self.lens.device
+        shape = (1, Hkv, K + self.gen_capacity, self.head_dim)
+        k = self.bufs.zeros(("sparse", self.layer, "k"), shape, self.dtype, dev)
+        v = self.bufs.zeros(("sparse", self.layer, "v"), shape, self.dtype, dev)
+        bias = None
+        if any(p.bias is not None for _, _, p in self.parts):
+            G = self.num_heads // Hkv
+            bias = self.bufs.zeros(("sparse", self.layer, "bias"), (Hkv, G, K + self.gen_capacity), self.dtype, dev)
+        for idx, _, p in self.parts:
+            n = p.k.shape[2]
+            k[:, idx, :n], v[:, idx, :n] = p.k, p.v
+            if p.bias is not None:
+                bias[idx, :, :n] = p.bias
+            p.release()
+        self.k, self.v, self.bias, self.parts = k, v, bias, None
+        self.lens = self.bufs.like(("sparse", self.layer, "lens"), torch.tensor(self.starts, device=dev))
+        return self
+
+    def release(self) -> None:
+        """Give this cache's buffers back (a part, once merged)."""
+        self.bufs.release([n for n in self.bufs.taken if n[1] == self.layer])
 
     def positions(self, gen_pos, q: int) -> torch.Tensor:
         """[1, Hkv, q] (or [1, 1, q] where every head keeps as many entries): where each head stores q
@@ -237,6 +315,10 @@ class SparseKV:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, gen_pos: int) -> None:
         """Store new tokens' KV [1, Hkv, q, D] at generated-token index `gen_pos`."""
+        if self.parts is not None:
+            for idx, _, p in self.parts:
+                p.write(key.index_select(1, idx), value.index_select(1, idx), gen_pos)
+            return
         pos = self.positions(gen_pos, key.shape[2])
         write_at(self.k, pos, key)
         write_at(self.v, pos, value)
@@ -246,7 +328,11 @@ class SparseKV:
         -> [1, q, H, D]."""
         from .kernels import attend
 
-        out = attend(query, self.k, self.v, (self.lens + n_gen - query.shape[2])[None], scale, self.bias)
+        if self.parts is not None:
+            out = torch.cat([p.attend(query.index_select(1, qh), scale, n_gen) for _, qh, p in self.parts], 2)
+            out = out.index_select(2, self.order)
+        else:
+            out = attend(query, self.k, self.v, (self.lens + n_gen - query.shape[2])[None], scale, self.bias)
         if self.head_scale is not None:
             out = out * self.head_scale.view(1, 1, -1, 1)
         return out
@@ -257,8 +343,8 @@ class SparseKV:
 
     def nbytes(self, n_gen: int) -> int:
         """KV bytes of the entries kept: sum over heads of K_h + n_gen."""
-        per_entry = self.k.shape[3] * self.k.element_size() * 2
-        return per_entry * (sum(self.selection.lengths) + self.k.shape[1] * n_gen)
+        per_entry = self.head_dim * torch.finfo(self.dtype).bits // 8 * 2
+        return per_entry * (sum(self.selection.lengths) + len(self.selection.keep) * n_gen)
 
 
 class LayerKV(CacheLayerMixin):
@@ -455,7 +541,7 @@ class Stack:
             sel = LayerSelection([torch.arange(n, device=r.keys.device)] * r.keys.shape[1])
             r.sparse = SparseKV(r.keys[:, :, :n], r.values[:, :, :n], sel, c.capacity - n, self.num_heads)
             r.sparse.copy_generated(r.keys[:, :, n:c.sparse_len], r.values[:, :, n:c.sparse_len], 0)
-        return r.sparse
+        return r.sparse.merge()
 
     @staticmethod
     def _copy(out: torch.Tensor, b: int, row: torch.Tensor) -> torch.Tensor:
@@ -478,7 +564,7 @@ class Stack:
                     return False
                 continue
             k, _, bias, scale, width, _ = sp
-            s = r.sparse
+            s = None if r.sparse is None else r.sparse.merge()  # a row holds one buffer per layer
             n = s.k.shape[2] if s is not None else c.capacity
             if n > k.shape[2] or (s is not None and ((s.bias is not None and bias is None) or (
                     s.head_scale is not None and scale is None) or (width == 1 and not s.uniform))):

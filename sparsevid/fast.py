@@ -73,17 +73,34 @@ class Block:
     bias: torch.Tensor | None = None
     slot: int = 0
     width: int = 1
+    heads: torch.Tensor | None = None  # in a `Split`: its KV heads [h] (else every head)
+    qheads: torch.Tensor | None = None  # in a `Split`: its query heads [h G]
+
+
+@dataclass
+class Split:
+    """A layer whose compact cache is split in groups of heads (`cache.SparseKV.parts`): one `Block`
+    per group, each attended by its own call; `order` [H]: query head h's row in the groups' outputs
+    concatenated."""
+
+    blocks: list
+    order: torch.Tensor
+
+
+def blocks_of(layer) -> list:
+    """A layer's blocks: [block], or a `Split`'s."""
+    return layer.blocks if isinstance(layer, Split) else [layer]
 
 
 @dataclass
 class StaticKV:
     """What a decoder layer's `update` returns in a static step, as its 'key states': the layer's
-    block, its per-query-head output scale (optional [H], or [B, H] per row) and the block's write
-    positions [B or 1, width]."""
+    block (or `Split`), its per-query-head output scale (optional [H], or [B, H] per row) and the
+    block's write positions [B or 1, width] (a `Split`: a list, one per block)."""
 
-    block: Block
+    block: Block | Split
     head_scale: torch.Tensor | None
-    start: torch.Tensor
+    start: torch.Tensor | list
 
 
 class StaticView:
@@ -100,13 +117,16 @@ class StaticView:
         self.start = start if start.dim() == 2 else start[None]
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        """Write key/value [B, Hkv, q, D] into the layer's block; return (StaticKV, None)."""
-        b = self.layers[layer_idx]
-        start = self.start[:, b.slot:b.slot + b.width]  # [B or 1, width]
-        pos = start[:, :, None] + torch.arange(key.shape[2], device=key.device)  # [B or 1, width, q]
-        write_at(b.k, pos, key)
-        write_at(b.v, pos, value)
-        return StaticKV(b, self.head_scale[layer_idx], start), None
+        """Write key/value [B, Hkv, q, D] into the layer's block(s); return (StaticKV, None)."""
+        layer = self.layers[layer_idx]
+        starts = []
+        for b in blocks_of(layer):
+            start = self.start[:, b.slot:b.slot + b.width]  # [B or 1, width]
+            pos = start[:, :, None] + torch.arange(key.shape[2], device=key.device)  # [B or 1, width, q]
+            write_at(b.k, pos, key if b.heads is None else key.index_select(1, b.heads))
+            write_at(b.v, pos, value if b.heads is None else value.index_select(1, b.heads))
+            starts.append(start)
+        return StaticKV(layer, self.head_scale[layer_idx], starts if isinstance(layer, Split) else starts[0]), None
 
 
 def static_step(model, input_ids, position_ids, layers: list, head_scale: list, start: torch.Tensor):
@@ -126,7 +146,11 @@ def static_attention(query, kv: StaticKV, scale):
     row t of head h sees entries 0 .. start_h + t (`kernels.attend`: lengths as tensors, no K/V
     repeat), then the query heads' output scales."""
     b = kv.block
-    out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias)
+    if isinstance(b, Split):  # one call per group of heads, the rows put back in head order
+        out = torch.cat([kernels.attend(query.index_select(1, p.qheads), p.k, p.v, s, scale, p.bias)
+                         for p, s in zip(b.blocks, kv.start)], 2).index_select(2, b.order)
+    else:
+        out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias)
     hs = kv.head_scale
     if hs is not None:
         out = out * (hs.view(1, 1, -1, 1) if hs.dim() == 1 else hs[:, None, :, None])
@@ -152,13 +176,20 @@ def buffers(cache, mode: str, num_layers: int | None = None):
             scales.append(None)
         else:
             sp = layer.sparse
-            layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(sp.starts)))
-            offsets += [n - cache.prompt_len for n in sp.starts]
+            if sp.parts is not None:  # heads split in groups: a block each
+                blocks = []
+                for heads, qheads, p in sp.parts:
+                    blocks.append(Block(p.k, p.v, p.bias, len(offsets), len(p.starts), heads, qheads))
+                    offsets += [n - cache.prompt_len for n in p.starts]
+                layers.append(Split(blocks, sp.order))
+            else:
+                layers.append(Block(sp.k, sp.v, sp.bias, len(offsets), len(sp.starts)))
+                offsets += [n - cache.prompt_len for n in sp.starts]
             scales.append(sp.head_scale)
             per_head |= not sp.uniform or sp.bias is not None or sp.head_scale is not None
-    device = layers[0].k.device
+    device = blocks_of(layers[0])[0].k.device
     if device.type != "cuda":  # CPU: one inductor graph for every capacity (CUDA: captured graphs, `Captured`)
-        for b in layers:
+        for b in (b for layer in layers for b in blocks_of(layer)):
             for t in (b.k, b.v) + (() if b.bias is None else (b.bias,)):
                 torch._dynamo.mark_dynamic(t, 2)
     cache.static[key] = out = (layers, scales, torch.tensor([offsets], device=device), per_head)
@@ -210,7 +241,8 @@ def signature(layers: list, scales: list) -> tuple:
     def sig(t):
         return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
 
-    return tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width) for b in layers) + tuple(sig(s) for s in scales)
+    return tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width, sig(b.heads)) for layer in layers
+                 for b in blocks_of(layer)) + tuple(sig(s) for s in scales)
 
 
 class Captured:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparsevid import engine, kernels, runs
+from sparsevid import cache as cache_mod, engine, kernels, runs
 from sparsevid.cache import write_at
 from sparsevid.engine import Sampling
 from test_house import LOSSLESS
@@ -43,6 +43,9 @@ def ragged(tiny_loaded):
 @pytest.mark.filterwarnings("ignore:SparseMM")  # tiny models have no calibration: uniform scores
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch):
+    # one-row runs split a compact cache's heads by length wherever they differ (`cache.head_parts`);
+    # a batch stacks each layer in one buffer (`SparseKV.merge`): the same tokens either way
+    monkeypatch.setattr(cache_mod, "SPLIT_MIN_SAVED", 1)
     loaded, inputs = ragged(arch)
     assert len({x.m for x in inputs}) == 3
     # An end token the first row says early (and the others may say at other steps): rows end apart.
@@ -80,7 +83,6 @@ def test_a_batch_stacks_the_rows_once_and_steps_over_rows_that_end(ragged, monke
     """The rows share one buffer per layer ([B, ...]); while more than half of them still decode,
     rows that ended sit idle in it (no copy); once at most half are left, those are stacked again
     (a smaller buffer). Each row's cache is a view of it (rollback and refresh stay per row)."""
-    from sparsevid import cache as cache_mod
 
     loaded, inputs = ragged("qwen2_vl")
     prompts = inputs + inputs[::-1]  # six rows
@@ -109,9 +111,8 @@ def test_a_prompt_that_joins_takes_the_row_that_ended_in_place(ragged, monkeypat
     """Continuous batching, two rows at a time over five prompts: a prompt that joins where a longer
     one ended is copied into that row of the stacked buffers (the other row untouched, no restack);
     one that does not fit is stacked again; every row keeps its one-row tokens, for dense, StD
-    (compact draft caches) and SparseMM (per-head layouts)."""
-    from sparsevid import cache as cache_mod
-
+    (compact draft caches) and SparseMM (per-head layouts, split by length in its one-row runs)."""
+    monkeypatch.setattr(cache_mod, "SPLIT_MIN_SAVED", 1)
     loaded, inputs = ragged("qwen2_vl")
     prompts = [inputs[2], inputs[1], inputs[0], inputs[1], inputs[2]]  # 12, 4, 8, 4, 12 frames
     placed, stacked = [], []

@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from sparsevid import attention, engine
+from sparsevid import attention, cache, engine
 from sparsevid.adapters import LlavaOnevisionAdapter, llava_onevision_preprocess
 from sparsevid.cache import LayerSelection
 from sparsevid.engine import Sampling
@@ -272,13 +272,19 @@ def _cases(m, hkv, h):
     }
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_call", "split_heads"])
 @pytest.mark.parametrize("case", list(_cases(40, 2, 4)))
-def test_partial_selection_matches_reference(arch, case, tiny_loaded, video_inputs):
+def test_partial_selection_matches_reference(arch, case, split, tiny_loaded, video_inputs, monkeypatch):
+    """Every layout of a compact cache against the float64 reference: one call per layer, or its heads
+    split in two calls by length (`cache.head_parts`, forced here at the tiny model's few entries)."""
+    monkeypatch.setattr(cache, "SPLIT_MIN_SAVED", 1 if split else 10**9)
     loaded, inputs = tiny_loaded(arch), video_inputs(arch)
     policy = _cases(inputs.m, loaded.num_kv_heads, loaded.num_heads)[case]
     tokens, logits, run = run_steps(loaded, inputs, 5, policy)
     layouts = {run.cache.layers[i].sparse.uniform for i in range(loaded.num_layers)}
     assert layouts == {case.startswith("uniform")}
+    parts = {run.cache.layers[i].sparse.parts is not None for i in range(loaded.num_layers)}
+    assert parts == {split and not case.startswith("uniform")}
     ref = reference_logits(loaded, inputs, tokens, run)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
     # ... and the selection matters: dense gives different logits

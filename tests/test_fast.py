@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from sparsevid import fast
+from sparsevid import cache, fast
 from sparsevid.engine import Sampling
 from sparsevid.runs import compile_steps, run_method
 
@@ -71,9 +71,12 @@ def test_compiled_batches_are_compiled_in_the_warm_up_and_give_eager_tokens(tiny
     assert loaded.fast.calls > calls and all(r["std"].fast_steps for r, _ in out)
 
 
-def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eager_after):
-    """HT-Sparse's and SparseMM's per-head layouts (ragged lengths, masks, scales) through the graph, and eager
-    where `per_head` is off (auto mode turns it off where their compiled step measures slower)."""
+@pytest.mark.parametrize("split", [False, True], ids=["one_call", "split_heads"])
+def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eager_after, split, monkeypatch):
+    """HT-Sparse's and SparseMM's per-head layouts (ragged lengths, masks, scales; in one call per
+    layer, or their heads split by length in two) through the graph, and eager where `per_head` is
+    off (auto mode turns it off where their compiled step measures slower)."""
+    monkeypatch.setattr(cache, "SPLIT_MIN_SAVED", 1 if split else 10**9)
     loaded = tiny_loaded("qwen2_vl")
     inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
     ignore = Sampling(ignore_eos=True)
