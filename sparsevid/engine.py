@@ -737,6 +737,9 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
             if on_token is not None:
                 for t in committed[b]:
                     on_token(b, t)
+        for b in live:  # the draft's caches catch up (refresh: dense's KV of the accepted tokens), timed
+            if not rows.done(b):
+                drafts[b].end_round(runs[b], fed[b], outs[b])
         sync(dev)
         te = time.perf_counter()
         plan.observe(steps, tv - ts, te - tv, accepted_all, tested)
@@ -744,8 +747,6 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
         for b in live:
             rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,
                                    tv - ts, te - tv, gamma=g, why=why))
-            if not rows.done(b):
-                drafts[b].end_round(runs[b], fed[b], outs[b])
         live = rows.next()
     peak = _peak(dev, loaded.pool)
     for t in traces:

@@ -73,7 +73,8 @@ class LayerRecord:
 @dataclass
 class Round:
     """One speculative round: the draft's tokens, how many dense accepted, its bonus token (None when
-    the answer ended first), the round's draft and verify times, its γ and why that γ (adaptive γ:
+    the answer ended first), the round's draft and verify times (verify_s includes the draft caches'
+    catch-up after it: `PolicyDraft.end_round`'s refresh), its γ and why that γ (adaptive γ:
     "dense step" to measure one, "probe", "best", "draft = dense"; fixed: "fixed")."""
 
     proposed: list[int]
