@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .engine import Sampling, sync as sync_device
+from . import kernels
 from .errors import InputError
 from .fast import enable, state
 from .methods import check_settings, parse_methods
@@ -26,7 +27,7 @@ from .tables import cell, markdown_table
 
 ROW_FIELDS = ("speedup", "acceptance", "tokens_per_round", "identical_to_dense", "kv_ratio", "predicted_speedup",
               "e2e_speedup", "bound_speedup", "draft_step_cost", "verify_cost", "dense_step_ms", "draft_step_ms",
-              "verify_ms", "bound_share")
+              "verify_ms", "bound_share", "attention_kv_pct")
 # A direct policy's costs (`metrics.efficiency_pct`), each as % of dense in the same run
 COST_FIELDS = ("prefill_flops_pct", "prefill_wall_pct", "prefill_kv_pct", "decode_kv_pct", "peak_memory_pct",
                "latency_pct", "decode_flops_pct")
@@ -175,6 +176,10 @@ def bench_main(args) -> int:
                         check = lambda d: compiled.append(  # noqa: E731
                             _eager_vs_compiled(loaded, inputs, settings, args, decoding, d, F))
                     figs, res, dense = paired_runs(loaded, inputs, name, settings, args, decoding, check)
+                    if res.kind == "direct" and dense.step_s:
+                        kv_s = attention_kv_s(loaded, inputs, args.max_new_tokens)
+                        for f in figs:
+                            f.update(kv_bound(f, statistics.median(dense.step_s), kv_s))
                     per[name] += figs
                     bar.update(args.repeats)
                     correct[name].append(_correct(res, answers))
@@ -390,6 +395,39 @@ def shape_rounds(args) -> int:
                             random_weights=True)
 
 
+@torch.inference_mode()
+def attention_kv_s(loaded, inputs, max_new_tokens: int) -> float:
+    """Seconds of a dense decode step that scale with the KV it reads, measured: every layer's decode
+    attention (`kernels.attend`, as a step calls it, on the step's thread count) over the prompt's
+    entries + half the answer, minus the same over 64 entries (the part that does not scale)."""
+    from .engine import step_threads
+
+    dev, dtype = loaded.device, loaded.dtype
+    H, Hkv, D, L = loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.num_layers
+
+    def calls(n):
+        q = torch.randn(1, H, 1, D, device=dev, dtype=dtype)
+        k, v = (torch.randn(1, Hkv, n + max_new_tokens, D, device=dev, dtype=dtype) for _ in range(2))
+        start = torch.tensor([[n]], device=dev)
+        return lambda: kernels.attend(q, k, v, start, D ** -0.5)
+
+    with step_threads(loaded):
+        n = inputs.m + max_new_tokens // 2
+        return max(0.0, L * (time_calls(calls(n), dev) - time_calls(calls(64), dev)))
+
+
+def kv_bound(figs: dict, dense_step_s: float, kv_s: float) -> dict:
+    """A direct method's decode bound from the KV it reads: a dense step costs `dense_step_s`, of which
+    `kv_s` scales with the KV read (`attention_kv_s`); reading decode_kv_pct % of dense's KV, a step
+    at best costs dense_step_s - (1 - kv) kv_s. Returns the bound and the measured share of it."""
+    if figs.get("decode_kv_pct") is None or not dense_step_s:
+        return {}
+    kv_s = min(kv_s, dense_step_s)
+    bound = dense_step_s / (dense_step_s - (1 - figs["decode_kv_pct"] / 100) * kv_s)
+    return dict(bound_speedup=bound, attention_kv_pct=100 * kv_s / dense_step_s,
+                bound_share=None if figs.get("speedup") is None else figs["speedup"] / bound)
+
+
 def paired_runs(loaded, inputs, name: str, settings, args, decoding, on_dense=None) -> tuple[list, object, object]:
     """--repeats runs of `name` on one prompt, each between two dense runs and paired with their mean
     (as `runs.compare` pairs them) -> (each run's figures, the last run, the last dense run).
@@ -454,7 +492,7 @@ COLUMNS = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), (
            ("tokens", "tokens", "g"), ("decode speedup", "speedup", "x"), ("end-to-end", "e2e_speedup", "x"),
            ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
            ("identical", "identical_to_dense", ""), ("KV vs dense", "kv_ratio", "pct"),
-           ("I/O-model speedup", "predicted_speedup", "x"), ("bound from step costs", "bound_speedup", "x"),
+           ("I/O-model speedup", "predicted_speedup", "x"), ("bound", "bound_speedup", "x"),
            ("share of bound", "bound_share", "pct"), ("dense / draft step / verify (ms)", "step_costs", "")]
 
 
@@ -465,12 +503,14 @@ def format_table(rows: list[dict]) -> str:
 def format_cost_table(rows: list[dict]) -> str:
     """A direct policy's costs as % of dense (medians over clips and repeats) and accuracy."""
     head = ["frames", "visual tokens", "method", "clips", "prefill FLOPs %", "prefill wall %", "prefill KV %",
-            "decode KV %", "peak mem %", "e2e latency %", "decode FLOPs %", "accuracy % (dense)"]
+            "decode KV %", "peak mem %", "e2e latency %", "decode FLOPs %", "accuracy % (dense)",
+            "attention scaling with KV, % of a dense step"]
     body = []
     for r in rows:
         acc = "-" if r.get("accuracy") is None else f"{r['accuracy']:.1f} ({r['dense_accuracy']:.1f})"
         body.append([str(r["frames"]), str(r["visual_tokens"]), r["method"], str(r.get("clips", 1))]
-                    + ["-" if r.get(k) is None else f"{r[k]:.0f}" for k in COST_FIELDS] + [acc])
+                    + ["-" if r.get(k) is None else f"{r[k]:.0f}" for k in COST_FIELDS] + [acc]
+                    + ["-" if r.get("attention_kv_pct") is None else f"{r['attention_kv_pct']:.0f}"])
     return markdown_table(head, body)
 
 

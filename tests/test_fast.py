@@ -2,6 +2,8 @@
 architecture and on the embedded model; no recompilation once a run's step kinds are compiled;
 a compilation that fails falls back to eager without failing the run."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -241,3 +243,20 @@ def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
         assert res.token_ids == tokens, n
         assert res.fast_steps > 0, n
     assert loaded.fast.captures == before
+
+
+@pytest.mark.filterwarnings("ignore:SparseMM")
+def test_bench_gives_a_direct_methods_bound_from_the_kv_it_reads(tiny_model_dir, capsys):
+    """`bench` on a direct method: its decode bound from the KV it reads and the share of a dense step
+    that scales with the KV (measured in the same run), between 1x and 1 / (KV read), and the
+    measured speedup's share of it."""
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--model", tiny_model_dir("qwen2_vl"), "--frames", "8", "--methods", "sparsemm",
+                     "--budget", "0.3", "--max-new-tokens", "8", "--ignore-eos", "--repeats", "1", "--compile", "off",
+                     "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["method"] == "sparsemm" and 0 < row["decode_kv_pct"] < 100
+    assert 0 < row["attention_kv_pct"] <= 100
+    assert 1 <= row["bound_speedup"] <= 100 / row["decode_kv_pct"]
+    assert row["bound_share"] == pytest.approx(row["speedup"] / row["bound_speedup"])
