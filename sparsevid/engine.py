@@ -25,6 +25,7 @@ import torch
 
 from .adapters import VideoInputs, text_step
 from .attention import Run, active
+from . import kernels
 from .fast import buffers, stack_buffers, static_step
 from .cache import KVCache, LayerSelection, Prompt, Stack
 from .models import Loaded
@@ -169,15 +170,18 @@ def batch_buffers(loaded: Loaded, caches: list, mode: str, num_layers: int | Non
 @contextlib.contextmanager
 def step_threads(loaded: Loaded):
     """A decode step's intra-op threads on the CPU: `loaded.step_threads` where it is set (chosen by
-    measurement, `runs.choose_step_threads`), torch's own count again afterwards (prefill keeps it)."""
+    measurement, `runs.choose_step_threads`), torch's own count again afterwards (prefill keeps it).
+    Inside, `kernels.WIDE_THREADS` is torch's own count: a large eager attention call runs on it."""
     n, old = loaded.step_threads, torch.get_num_threads()
     if not n or n == old or loaded.device.type != "cpu":
         yield
         return
     torch.set_num_threads(n)
+    kernels.WIDE_THREADS = old
     try:
         yield
     finally:
+        kernels.WIDE_THREADS = None
         torch.set_num_threads(old)
 
 

@@ -73,8 +73,17 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     return attend_sdpa(query, k, v, start, scale, bias)
 
 
+# CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
+# None. An eager attention call reading at least WIDE_MIN (row, KV head, entry) triples runs on it:
+# a batch of 8 rows at 4,650 entries, 4 KV heads of dim 24 took 2.6 ms per layer on one thread and
+# 2.1 ms on two, switching included; switching costs ~0.15 ms, more than one row gains below that.
+WIDE_THREADS: int | None = None
+WIDE_MIN = 100_000
+
+
 def attend_sdpa(query, k, v, start, scale, bias=None):
-    """`attend` through SDPA with an additive mask (see the module docstring)."""
+    """`attend` through SDPA with an additive mask (see the module docstring); a large eager call on
+    the CPU on every thread (`WIDE_THREADS`)."""
     B, H, q, D = query.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -87,7 +96,16 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     if bias is not None:  # [Hkv, G, N] or per sequence [B, Hkv, G, N]
         mask = mask + (bias[None] if bias.dim() == 3 else bias)[:, :, :, None, :].to(query.dtype)
     mask = mask.expand(-1, -1, G, q, N).reshape(mask.shape[0], mask.shape[1], G * q, N)  # rows g * q + t
-    out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
+    wide = (WIDE_THREADS is not None and B * Hkv * N >= WIDE_MIN and query.device.type == "cpu"
+            and not torch.compiler.is_compiling())
+    if wide:
+        narrow = torch.get_num_threads()
+        torch.set_num_threads(WIDE_THREADS)
+    try:
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
+    finally:
+        if wide:
+            torch.set_num_threads(narrow)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
     return out.reshape(B, H, q, D).transpose(1, 2)
 

@@ -94,3 +94,28 @@ def test_the_backend_is_triton_on_cuda_and_sdpa_on_the_cpu(monkeypatch):
         assert kernels.backend(torch.device("cuda")) == "triton"
     monkeypatch.setattr(kernels, "FORCED", "sdpa")
     assert kernels.backend(torch.device("cuda")) == "sdpa"
+
+
+def test_a_large_eager_attention_call_runs_on_every_thread_and_gives_the_same_result(monkeypatch):
+    """Inside a decode step on one thread (`engine.step_threads`), a call over at least WIDE_MIN
+    (row, KV head, entry) triples runs on the process's threads: the same output as on one thread,
+    and the step's thread count is back after it."""
+    before = torch.get_num_threads()
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 8, 2, 16), torch.randn(4, 4, 300, 16), torch.randn(4, 4, 300, 16)
+    start = torch.tensor([[280], [150], [298], [10]])
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
+    try:
+        torch.set_num_threads(1)
+        narrow = kernels.attend(q, k, v, start, 0.25, which="sdpa")
+        monkeypatch.setattr(kernels, "WIDE_THREADS", 2)
+        monkeypatch.setattr(kernels, "WIDE_MIN", 4 * 4 * 300)
+        wide = kernels.attend(q, k, v, start, 0.25, which="sdpa")
+        assert seen == [1, 2] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(wide, narrow, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(wide.double(), kernels.reference(q, k, v, start, 0.25), atol=1e-5, rtol=1e-5)
