@@ -252,7 +252,7 @@ def test_bench_gives_a_direct_methods_bound_from_the_kv_it_reads(tiny_model_dir,
     measured speedup's share of it."""
     from sparsevid import cli
 
-    assert cli.main(["bench", "--model", tiny_model_dir("qwen2_vl"), "--frames", "8", "--methods", "sparsemm",
+    assert cli.main(["bench", "--model", tiny_model_dir("qwen2_vl"), "--frames", "256", "--methods", "sparsemm",
                      "--budget", "0.3", "--max-new-tokens", "8", "--ignore-eos", "--repeats", "1", "--compile", "off",
                      "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
