@@ -190,10 +190,13 @@ def grouped_sdpa(query, key, value, scale, bias=None):
 # A compact cache's heads split into two attention calls (`head_parts`) where one padded call would
 # read at least this many more K elements (KV head x entry x head dim) per step than two: the CPU's
 # SDPA reads a buffer's padding too (masked), and a second call has a fixed cost. Measured on 2 CPU
-# threads, one full KV head at m entries and the others at 0.79 m (HT-Sparse's layout), one call vs
-# two: head dim 24 (the embedded model) even at ~140,000 (m = 9,300: 524 vs 529 us), head dim 128
-# (7B heads) even at ~100,000-190,000 (m = 1,200-2,400) and 11-19 % faster from ~380,000 (m = 4,700).
-SPLIT_MIN_SAVED = 150_000
+# threads, HT-Sparse at its defaults on the embedded model (one KV head of four at every entry, the
+# others at ~0.8 of them, head dim 24), median decode step, one call vs two, interleaved: at 4,608
+# visual tokens (~70,000 elements saved) compiled 2.65 vs 2.50 and 2.25 vs 2.20 ms, eager 3.67 vs
+# 3.72 ms; at 9,216 (~140,000) compiled 3.95 vs 3.53 and 3.99 vs 3.63 ms, eager 5.39 vs 4.95 ms.
+# One attention call alone, eager, 7B heads (dim 128): two calls lose 14 % at ~48,000 elements saved
+# and tie at ~97,000.
+SPLIT_MIN_SAVED = 64_000
 
 
 def head_parts(lens: list[int], head_dim: int, device) -> list[list[int]] | None:
