@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .engine import Sampling, sync as sync_device
 from . import kernels
+from .engine import Sampling, step_threads, sync as sync_device
 from .errors import InputError
 from .fast import enable, state
 from .methods import check_settings, parse_methods
@@ -400,8 +400,6 @@ def attention_kv_s(loaded, inputs, max_new_tokens: int) -> float:
     """Seconds of a dense decode step that scale with the KV it reads, measured: every layer's decode
     attention (`kernels.attend`, as a step calls it, on the step's thread count) over the prompt's
     entries + half the answer, minus the same over 64 entries (the part that does not scale)."""
-    from .engine import step_threads
-
     dev, dtype = loaded.device, loaded.dtype
     H, Hkv, D, L = loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.num_layers
 
@@ -571,7 +569,6 @@ def verify_kernels(args) -> int:
     On CUDA also SDPA's flash kernel without any mask over exactly the entries read: the
     bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths)."""
 
-    from . import kernels
     from .models import pick_device
 
     dev, dtype = pick_device(args.device, args.dtype)

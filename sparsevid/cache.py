@@ -232,7 +232,7 @@ class SparseKV:
     `parts`: where the SDPA backend would read much padding (one HT-Sparse full head among short
     sparse ones: every head read up to the full one's length), the heads are split in two groups
     (`head_parts`), each a `SparseKV` of its own over its KV heads `heads` [h_j] (query heads
-    `qheads` [h_j G]), and a step makes one call per group (`fast.Split`); k, v, bias are then None.
+    `qheads` [h_j G]), and a step makes one call per group (`fast.Split`); k, v, bias, lens are then None.
     The same entries, the same arithmetic per head. `merge()` puts them back in one buffer (a batch's
     `Stack` holds one buffer per layer).
     """
@@ -255,8 +255,7 @@ class SparseKV:
         self.parts: list[tuple[torch.Tensor, torch.Tensor, SparseKV]] | None = None
         groups = head_parts(lens, D, dev) if split else None
         if groups is not None:  # (KV heads [h_j], query heads [h_j G], the group's own compact cache)
-            self.k = self.v = self.bias = None
-            self.lens = torch.tensor(lens, device=dev)
+            self.k = self.v = self.bias = self.lens = None
             self.parts = []
             for j, heads in enumerate(groups):
                 qmask = None if sel.query_mask is None else sel.query_mask.view(Hkv, G, m)[heads].reshape(-1, m)
@@ -289,7 +288,7 @@ class SparseKV:
         if self.parts is None:
             return self
         Hkv, K = len(self.selection.keep), max(self.selection.lengths)
-        dev = self.lens.device
+        dev = self.parts[0][0].device
         shape = (1, Hkv, K + self.gen_capacity, self.head_dim)
         k = self.bufs.zeros(("sparse", self.layer, "k"), shape, self.dtype, dev)
         v = self.bufs.zeros(("sparse", self.layer, "v"), shape, self.dtype, dev)

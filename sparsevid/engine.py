@@ -23,9 +23,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import kernels
 from .adapters import VideoInputs, text_step
 from .attention import Run, active
-from . import kernels
 from .fast import buffers, stack_buffers, static_step
 from .cache import KVCache, LayerSelection, Prompt, Stack
 from .models import Loaded
@@ -176,13 +176,12 @@ def step_threads(loaded: Loaded):
     if not n or n == old or loaded.device.type != "cpu":
         yield
         return
-    torch.set_num_threads(n)
     kernels.WIDE_THREADS = old
     try:
-        yield
+        with kernels.threads(n):
+            yield
     finally:
         kernels.WIDE_THREADS = None
-        torch.set_num_threads(old)
 
 
 @torch.inference_mode()

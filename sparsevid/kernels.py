@@ -28,6 +28,7 @@ CPU (Triton's interpreter, TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -81,6 +82,20 @@ WIDE_THREADS: int | None = None
 WIDE_MIN = 100_000
 
 
+@contextlib.contextmanager
+def threads(n: int | None):
+    """torch's intra-op thread count set to n (None or the current count: unchanged), restored after."""
+    old = torch.get_num_threads()
+    if not n or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def attend_sdpa(query, k, v, start, scale, bias=None):
     """`attend` through SDPA with an additive mask (see the module docstring); a large eager call on
     the CPU on every thread (`WIDE_THREADS`)."""
@@ -98,14 +113,8 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     mask = mask.expand(-1, -1, G, q, N).reshape(mask.shape[0], mask.shape[1], G * q, N)  # rows g * q + t
     wide = (WIDE_THREADS is not None and B * Hkv * N >= WIDE_MIN and query.device.type == "cpu"
             and not torch.compiler.is_compiling())
-    if wide:
-        narrow = torch.get_num_threads()
-        torch.set_num_threads(WIDE_THREADS)
-    try:
+    with threads(WIDE_THREADS if wide else None):
         out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
-    finally:
-        if wide:
-            torch.set_num_threads(narrow)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
     return out.reshape(B, H, q, D).transpose(1, 2)
 
