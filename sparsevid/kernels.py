@@ -82,6 +82,31 @@ WIDE_THREADS: int | None = None
 WIDE_MIN = 100_000
 
 
+@torch.compiler.assume_constant_result
+def traced_threads() -> int:
+    """torch's thread count, read at tracing inside a compiled graph (a constant there, as it is in
+    inductor's code; a plain torch.get_num_threads() call breaks the graph)."""
+    return torch.get_num_threads()
+
+
+def call_threads(device: torch.device, items: int, n: int) -> int | None:
+    """The thread count an eager CPU attention call over `items` (sequence, KV head) pairs of `n`
+    entries runs on, or None (the step's own):
+    - one item: one thread. The CPU flash kernel parallelises over (sequence, KV head, block of 32
+      query rows); with a single one it runs it in the calling thread, outside a parallel region, so
+      every small GEMM inside then wakes the other threads, once per block of keys: under
+      OMP_WAIT_POLICY=PASSIVE, 2 threads, 2 query rows over 9,400 entries of head dim 24 took
+      2,380 us against 102 us on one thread (one HT-Sparse full head in a group of its own: a
+      decode step 3x dense's). In a compiled graph (no switch), `attend_sdpa` makes the G query
+      heads G items instead;
+    - at least WIDE_MIN (item, entry) pairs inside a step on fewer threads: `WIDE_THREADS`."""
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    if items == 1:
+        return 1
+    return WIDE_THREADS if WIDE_THREADS is not None and items * n >= WIDE_MIN else None
+
+
 @contextlib.contextmanager
 def threads(n: int | None):
     """torch's intra-op thread count set to n (None or the current count: unchanged), restored after."""
@@ -97,8 +122,8 @@ def threads(n: int | None):
 
 
 def attend_sdpa(query, k, v, start, scale, bias=None):
-    """`attend` through SDPA with an additive mask (see the module docstring); a large eager call on
-    the CPU on every thread (`WIDE_THREADS`)."""
+    """`attend` through SDPA with an additive mask (see the module docstring); an eager CPU call on
+    the threads `call_threads` gives it."""
     B, H, q, D = query.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -111,10 +136,16 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
     if bias is not None:  # [Hkv, G, N] or per sequence [B, Hkv, G, N]
         mask = mask + (bias[None] if bias.dim() == 3 else bias)[:, :, :, None, :].to(query.dtype)
     mask = mask.expand(-1, -1, G, q, N).reshape(mask.shape[0], mask.shape[1], G * q, N)  # rows g * q + t
-    wide = (WIDE_THREADS is not None and B * Hkv * N >= WIDE_MIN and query.device.type == "cpu"
-            and not torch.compiler.is_compiling())
-    with threads(WIDE_THREADS if wide else None):
-        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, D), k, v, attn_mask=mask, scale=scale)
+    query = query.reshape(B, Hkv, G * q, D)
+    if (B * Hkv == 1 < G and query.device.type == "cpu" and torch.compiler.is_compiling()
+            and traced_threads() > 1):
+        # one (sequence, KV head) in a graph compiled for several threads (the count is fixed at
+        # tracing; no switch inside a graph): its G query heads as G sequences over the same K/V
+        # (expanded, not copied), so the flash kernel splits them across threads (`call_threads`)
+        query, k, v, mask = query.view(G, 1, q, D), k.expand(G, -1, -1, -1), v.expand(G, -1, -1, -1), mask.view(G, 1, q, N)
+    n = call_threads(query.device, B * Hkv, N)  # None inside a graph: no context to trace
+    with threads(n) if n else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
     return out.reshape(B, H, q, D).transpose(1, 2)
 

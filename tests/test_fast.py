@@ -26,6 +26,10 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
 @pytest.fixture
 def eager_after(tiny_loaded):
     """Every test leaves the shared tiny models eager."""
@@ -44,6 +48,7 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
              for n in METHODS for i, x in enumerate((short, longer))}
     fast.enable(loaded, "on")
     assert "compiled" in compile_steps(loaded, short, METHODS, SETTINGS)
+    assert breaks() == 0, f"a step is not one graph: {dict(counters['graph_break'])}"
     before, calls = graphs(), loaded.fast.calls
     for i, x in enumerate((short, longer)):  # another prompt length, every γ adaptive γ picks: no new graph
         for n in METHODS:
@@ -84,8 +89,10 @@ def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eage
     ignore = Sampling(ignore_eos=True)
     eager = {n: run_method(loaded, inputs, n, None, 12, ignore).token_ids for n in ("dense", "htsparse", "sparsemm")}
     fast.enable(loaded, "on")
+    broken = breaks()
     for n in ("htsparse", "sparsemm"):
         assert run_method(loaded, inputs, n, None, 12, ignore).token_ids == eager[n], n
+    assert breaks() == broken, f"a step is not one graph: {dict(counters['graph_break'])}"
     assert loaded.fast.per_head_calls >= 11  # HT-Sparse's at least (SparseMM's too where its budgets differ by head)
     loaded.fast.per_head = False
     per_head_calls, calls = loaded.fast.per_head_calls, loaded.fast.calls
