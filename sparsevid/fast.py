@@ -57,6 +57,11 @@ from .errors import InputError
 
 MODES = ("auto", "on", "off")
 
+try:  # transformers' output-capturing switch (`static_step`); None where this transformers has none
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:
+    _COLLECTOR = None
+
 
 @dataclass
 class Block:
@@ -133,12 +138,20 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
     """Logits [B, q, V] of q tokens through the first len(layers) decoder layers (all for a dense
     step) of `model`'s language model, writing their KV into the layers' blocks (see `StaticView`)."""
     lm = getattr(model.model, "language_model", model.model)  # a Video-LLM's text model, or a bare LM
-    h = lm.embed_tokens(input_ids)
-    pe = lm.rotary_emb(h, position_ids)
-    view = StaticView(layers, head_scale, start)
-    for layer in lm.layers[:len(layers)]:
-        h = layer(h, attention_mask=None, position_embeddings=pe, past_key_values=view, use_cache=True)
-    return model.lm_head(lm.norm(h))
+    # A step collects no outputs. Once any call has asked the model for hidden states or attentions,
+    # transformers hooks its layers to read a ContextVar, which breaks a compiled graph; its own
+    # compile-safe switch (a plain variable while tracing) turns those hooks off for the step.
+    token = _COLLECTOR.set(None) if _COLLECTOR is not None else None
+    try:
+        h = lm.embed_tokens(input_ids)
+        pe = lm.rotary_emb(h, position_ids)
+        view = StaticView(layers, head_scale, start)
+        for layer in lm.layers[:len(layers)]:
+            h = layer(h, attention_mask=None, position_embeddings=pe, past_key_values=view, use_cache=True)
+        return model.lm_head(lm.norm(h))
+    finally:
+        if _COLLECTOR is not None:
+            _COLLECTOR.reset(token)
 
 
 def static_attention(query, kv: StaticKV, scale):
