@@ -109,9 +109,13 @@ def call_threads(device: torch.device, items: int, n: int) -> int | None:
 
 @contextlib.contextmanager
 def threads(n: int | None):
-    """torch's intra-op thread count set to n (None or the current count: unchanged), restored after."""
+    """torch's intra-op thread count set to n (None or the current count: unchanged), restored after.
+    None reads nothing, so a compiled graph can trace it (torch.get_num_threads() is a graph break)."""
+    if not n:
+        yield
+        return
     old = torch.get_num_threads()
-    if not n or n == old:
+    if n == old:
         yield
         return
     torch.set_num_threads(n)
@@ -143,8 +147,7 @@ def attend_sdpa(query, k, v, start, scale, bias=None):
         # tracing; no switch inside a graph): its G query heads as G sequences over the same K/V
         # (expanded, not copied), so the flash kernel splits them across threads (`call_threads`)
         query, k, v, mask = query.view(G, 1, q, D), k.expand(G, -1, -1, -1), v.expand(G, -1, -1, -1), mask.view(G, 1, q, N)
-    n = call_threads(query.device, B * Hkv, N)  # None inside a graph: no context to trace
-    with threads(n) if n else contextlib.nullcontext():
+    with threads(call_threads(query.device, B * Hkv, N)):
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
     # SDPA's CUDA output need not be contiguous in this layout: reshape, not view
     return out.reshape(B, H, q, D).transpose(1, 2)

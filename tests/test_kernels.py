@@ -96,6 +96,15 @@ def test_the_backend_is_triton_on_cuda_and_sdpa_on_the_cpu(monkeypatch):
     assert kernels.backend(torch.device("cuda")) == "sdpa"
 
 
+def sdpa_threads(monkeypatch) -> list[int]:
+    """The thread count of every SDPA call from now on, in order (SDPA itself still runs)."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
+    return seen
+
+
 def test_an_eager_call_over_one_kv_head_runs_on_one_thread_and_gives_the_same_result(monkeypatch):
     """One (sequence, KV head) pair, e.g. an HT-Sparse full head split into a group of its own: on
     more threads the CPU flash kernel runs it inline and its inner GEMMs wake the other threads per
@@ -106,10 +115,7 @@ def test_an_eager_call_over_one_kv_head_runs_on_one_thread_and_gives_the_same_re
     q, k, v = torch.randn(1, 2, 2, 16), torch.randn(1, 1, 300, 16), torch.randn(1, 1, 300, 16)
     q4, k4, v4 = torch.randn(1, 8, 2, 16), torch.randn(1, 4, 300, 16), torch.randn(1, 4, 300, 16)
     start = torch.tensor([[280]])
-    seen = []
-    real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
+    seen = sdpa_threads(monkeypatch)
     try:
         torch.set_num_threads(2)
         out = kernels.attend(q, k, v, start, 0.25, which="sdpa")
@@ -150,10 +156,7 @@ def test_a_large_eager_attention_call_runs_on_every_thread_and_gives_the_same_re
     torch.manual_seed(0)
     q, k, v = torch.randn(4, 8, 2, 16), torch.randn(4, 4, 300, 16), torch.randn(4, 4, 300, 16)
     start = torch.tensor([[280], [150], [298], [10]])
-    seen = []
-    real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **kw: seen.append(torch.get_num_threads()) or real(*a, **kw))
+    seen = sdpa_threads(monkeypatch)
     try:
         torch.set_num_threads(1)
         narrow = kernels.attend(q, k, v, start, 0.25, which="sdpa")
