@@ -168,11 +168,12 @@ def batch_buffers(loaded: Loaded, caches: list, mode: str, num_layers: int | Non
 
 
 @contextlib.contextmanager
-def step_threads(loaded: Loaded):
+def step_threads(loaded: Loaded, per_head: bool = False):
     """A decode step's intra-op threads on the CPU: `loaded.step_threads` where it is set (chosen by
-    measurement, `runs.choose_step_threads`), torch's own count again afterwards (prefill keeps it).
+    measurement, `runs.choose_step_threads`; `loaded.head_threads` for a step over a per-head layout
+    where that is set, `runs.compile_steps`), torch's own count again afterwards (prefill keeps it).
     Inside, `kernels.WIDE_THREADS` is torch's own count: a large eager attention call runs on it."""
-    n, old = loaded.step_threads, torch.get_num_threads()
+    n, old = (per_head and loaded.head_threads) or loaded.step_threads, torch.get_num_threads()
     if not n or n == old or loaded.device.type != "cpu":
         yield
         return
@@ -218,13 +219,13 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
     pos = torch.cat([loaded.adapter.position_ids(0 if r is None else r.cache.length + r.position_offset, rows, dev)
                      for r in at], dim=-2)
     watched = len(runs) == 1 and runs[0].on_decode_attention is not None
-    with step_threads(loaded):
-        if watched:
-            bufs = None
-        elif idle is not None:
-            bufs = stack_buffers(idle[0], caches[0].mode, num_layers)
-        else:
-            bufs = batch_buffers(loaded, caches, caches[0].mode, num_layers)
+    if watched:
+        bufs = None
+    elif idle is not None:
+        bufs = stack_buffers(idle[0], caches[0].mode, num_layers)
+    else:
+        bufs = batch_buffers(loaded, caches, caches[0].mode, num_layers)
+    with step_threads(loaded, per_head=bufs is not None and bufs[3]):
         if bufs is None:  # eager, through the run (one row: calibration, or a layer with nothing to read)
             with active(runs[0]):
                 logits = text_step(loaded.model, ids, pos, caches[0], num_layers)

@@ -45,7 +45,10 @@ class Loaded:
     pool: BufferPool | None = None  # CUDA: KV buffers kept between runs (`cache.BufferPool`)
     # CPU: the intra-op threads decode steps run on (`runs.choose_step_threads`; None: torch's count)
     step_threads: int | None = None
-    threads_note: str = ""  # how `step_threads` was chosen, in words
+    # CPU: the threads of steps over a per-head layout (HT-Sparse, SparseMM: masks, scales, ragged heads;
+    # `runs.compile_steps` chooses them where steps run on several); None: `step_threads`
+    head_threads: int | None = None
+    threads_note: str = ""  # how `step_threads` (and `head_threads`) were chosen, in words
 
     @property
     def text_config(self):

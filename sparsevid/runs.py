@@ -187,6 +187,9 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
     fast = loaded.fast
     if fast is None:
         return "eager"
+    n = loaded.step_threads or torch.get_num_threads()
+    if fast.mode == "auto" and loaded.device.type == "cpu" and n > 1 and loaded.head_threads is None:
+        loaded.head_threads = 1  # per-head layouts compiled for one thread; measured against eager below
     fast.prepared = True
     fast.warmed.add(_warm_key(inputs, names, settings, capacity_tokens))
     sampling = Sampling(ignore_eos=True)
@@ -217,22 +220,40 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
         fast.message = (f"compiled ({took:.0f} s): dense step {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms"
                         if fast.enabled else
                         f"eager: the compiled dense step measured {on * 1e3:.2f} ms vs eager {off * 1e3:.2f} ms")
-        if fast.enabled:  # per-head layouts (ragged lengths, masks, scales): compiled only if faster too
-            for name in (n for n in names if n != "dense"):
-                before = fast.per_head_calls
-                compiled_run = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
-                if fast.per_head_calls == before:
-                    continue  # this method's steps have no per-head layout
-                fast.enabled = False
-                eager_run = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
-                fast.enabled = True
-                on, off = statistics.median(compiled_run.step_s), statistics.median(eager_run.step_s)
-                if on >= off:
-                    fast.per_head = False
-                    fast.message += (f"; per-head steps eager ({name}: compiled {on * 1e3:.2f} ms vs eager "
-                                     f"{off * 1e3:.2f} ms)")
-                break  # one method decides for every per-head layout
+        if fast.enabled:
+            fast.message += _choose_head_steps(loaded, inputs, names, settings, max_new_tokens, n)
     return fast.message
+
+
+def _choose_head_steps(loaded: Loaded, inputs: VideoInputs, names, settings: dict | None, max_new_tokens: int,
+                       n: int) -> str:
+    """How steps over a per-head layout (ragged lengths, masks, scales: HT-Sparse, SparseMM) run, by
+    measurement on the first of `names` that has one: compiled (for `loaded.head_threads`, which
+    `compile_steps` set to one thread where steps run on n > 1: a compiled per-head graph on two
+    threads measured 0.62x of dense's step for HT-Sparse, each of its kernels a parallel region
+    that wakes the sleeping thread) or eager on one or on n threads, whichever decodes fastest (a
+    run of each, medians of its steps). The answer does not depend on the choice. Returns words for
+    the message ("" where no method has such a layout or compiled won on the step count)."""
+    fast, sampling = loaded.fast, Sampling(ignore_eos=True)
+    compiled_on = loaded.head_threads or n
+    for name in (m for m in names if m != "dense"):
+        before = fast.per_head_calls
+        took = {("compiled", compiled_on): run_method(loaded, inputs, name, settings, max_new_tokens, sampling).step_s}
+        if fast.per_head_calls == before:
+            continue  # this method's steps have no per-head layout
+        fast.enabled = False
+        for threads in dict.fromkeys([compiled_on, n]):
+            loaded.head_threads = threads
+            took[("eager", threads)] = run_method(loaded, inputs, name, settings, max_new_tokens, sampling).step_s
+        fast.enabled = True
+        ms = {w: statistics.median(s) * 1e3 for w, s in took.items()}
+        (way, threads) = min(ms, key=ms.get)
+        fast.per_head, loaded.head_threads = way == "compiled", threads
+        if (way, threads) == ("compiled", n):
+            return ""
+        measured = ", ".join(f"{w} on {t}: {v:.2f} ms" for (w, t), v in ms.items())
+        return f"; per-head steps {way} on {threads} thread(s) ({name}: {measured})"
+    return ""  # no per-head layout measured: one compiled later takes `head_threads` as set
 
 
 class Cancelled(Exception):

@@ -120,6 +120,43 @@ def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eage
     assert loaded.fast.calls == calls + 11  # dense's steps still compiled
 
 
+def test_per_head_steps_take_their_own_thread_count_where_steps_run_on_several(tiny_loaded, eager_after,
+                                                                            monkeypatch):
+    """Where decode steps run on two threads, auto mode compiles the per-head layouts for one
+    (their many small kernels each wake the sleeping thread: HT-Sparse 0.62x of dense's step on
+    the embedded model) and keeps whichever of compiled on one, eager on one and eager on two
+    measures fastest; a per-head step then runs on its count and a dense step on the step count,
+    with the same tokens either way."""
+    from sparsevid import engine
+
+    loaded = tiny_loaded("qwen2_vl")
+    inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
+    ignore = Sampling(ignore_eos=True)
+    eager = {n: run_method(loaded, inputs, n, None, 12, ignore).token_ids for n in ("dense", "htsparse")}
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(loaded, "step_threads", 2)
+    monkeypatch.setattr(loaded, "head_threads", None)
+    try:
+        fast.enable(loaded, "auto")
+        message = compile_steps(loaded, inputs, ["htsparse"])
+        assert loaded.head_threads in (1, 2) and "per-head steps" in message, message
+        assert loaded.fast.per_head == (f"per-head steps compiled on {loaded.head_threads}" in message)
+        for n in ("dense", "htsparse"):  # whatever was chosen: the same tokens
+            assert run_method(loaded, inputs, n, None, 12, ignore).token_ids == eager[n], n
+        loaded.fast.enabled, loaded.head_threads = False, 1
+        seen = []
+        real = engine.static_step
+        monkeypatch.setattr(engine, "static_step", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+        assert run_method(loaded, inputs, "dense", None, 12, ignore).token_ids == eager["dense"]
+        assert seen == [2] * 11
+        seen.clear()
+        assert run_method(loaded, inputs, "htsparse", None, 12, ignore).token_ids == eager["htsparse"]
+        assert seen == [1] * 11 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_embedded_model_answers_the_same_compiled(eager_after):
     from sparsevid.bench import bench_clip
     from sparsevid.models import load_model
