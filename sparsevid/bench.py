@@ -21,6 +21,7 @@ from .engine import Sampling, step_threads, sync as sync_device
 from .errors import InputError
 from .fast import enable, state
 from .methods import check_settings, parse_methods
+from .metrics import batch_bound
 from .models import load_model
 from .runs import dense_pair_s, figures, run_method, warm_up
 from .tables import cell, markdown_table
@@ -279,12 +280,15 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                 after = run("dense")
                 dense_tok_s.append(after[1])
                 figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
+                adaptive = any(rd.why != "fixed" for r in res[0] for rd in r.rounds)
+                bounds = ([f.get("bound_speedup") for f in figs] if B == 1 else  # a batch: its rounds are shared
+                          [batch_bound(figs[i:i + B], adaptive) for i in range(0, len(figs), B)])
                 per[name].append(dict(
                     speedup=res[1] / ((dense[1] + after[1]) / 2),
                     identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),
                     acceptance=_median([f.get("acceptance") for f in figs]),
                     tokens_per_round=_median([f.get("tokens_per_round") for f in figs]),
-                    bound=_median([f.get("bound_speedup") for f in figs]),
+                    bound=_median(bounds),
                     fast_steps=sum(r.fast_steps or 0 for r in res[0]),
                     tok_s=res[1]))
         dense_rate = statistics.median(dense_tok_s)

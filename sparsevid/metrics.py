@@ -83,6 +83,25 @@ def speculative_bound(alpha: float, gamma: int, c: float, v: float) -> float:
     return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
 
 
+def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
+    """The bound from step costs of rows decoded together (`ratios` of each row against its dense
+    run in the same batch). A batch's rounds are shared: one γ per round, every row's draft steps
+    and its verification in the same passes, so a row that drafts less saves nothing. The batch's
+    best is then max over γ of the rows' mean Ω(α_b, γ) / (γ·c + v), with c and v the batch's costs
+    (the rows' median; every row is timed by the same rounds), and at least 1x with adaptive γ
+    (dense steps). The median of the rows' own bounds would let each row pick its γ: more than
+    any shared round can give where rows accept at different rates. None without costs."""
+    rows = [f for f in figs if f.get("draft_step_cost") is not None and f.get("gamma")]
+    if not rows:
+        return None
+    c = statistics.median(f["draft_step_cost"] for f in rows)
+    v = statistics.median(f["verify_cost"] for f in rows)
+    gammas = range(1, max(f["gamma"] for f in rows) + 1) if adaptive else [max(f["gamma"] for f in rows)]
+    best = max(statistics.mean(expected_tokens_per_round(f["position_acceptance"], g) for f in rows) / (g * c + v)
+               for g in gammas)
+    return max(1.0, best) if adaptive else best
+
+
 def best_gamma(alpha: float, gamma_max: int, t_draft: float, t_dense: float, t_row: float,
                margin: float = 0.05) -> int:
     """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of

@@ -204,6 +204,27 @@ def test_best_gamma_is_zero_when_the_draft_costs_a_dense_step_and_large_when_it_
     assert 0 < best_gamma(alpha=0.5, gamma_max=9, t_draft=0.1, t_dense=1.0, t_row=0.02) < 5
 
 
+def test_a_batch_bound_shares_one_gamma_across_rows():
+    """`bench --batch`: rows decoded together share each round's γ and passes, so the batch's bound
+    is the best γ for the rows' mean tokens per round; it equals a row's own bound when every row
+    accepts alike and is below the median of the rows' own bounds when they differ."""
+    from sparsevid.metrics import batch_bound, speculative_bound
+
+    def row(alpha):
+        return dict(draft_step_cost=0.3, verify_cost=1.5, gamma=9, position_acceptance=alpha)
+
+    def own(alpha):
+        return max([1.0] + [speculative_bound(alpha, g, 0.3, 1.5) for g in range(1, 10)])
+
+    assert batch_bound([row(0.8)] * 4, adaptive=True) == pytest.approx(own(0.8))
+    assert batch_bound([row(0.8)] * 4, adaptive=False) == pytest.approx(speculative_bound(0.8, 9, 0.3, 1.5))
+    mixed = [row(1.0), row(1.0), row(1.0), row(0.3), row(0.3)]
+    assert 1.0 < batch_bound(mixed, adaptive=True) < own(1.0)  # the median row's own bound
+    # no row speculated (no costs): no bound; a batch whose best is under dense: 1x with adaptive γ
+    assert batch_bound([dict(gamma=9)], adaptive=True) is None
+    assert batch_bound([dict(row(0.0), draft_step_cost=1.0)], adaptive=True) == 1.0
+
+
 def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     from sparsevid.engine import GammaPlan
 
