@@ -546,8 +546,10 @@ class GammaPlan:
     expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by 5 %.
     The draft is first tried on `probe` tokens, and again after `reprobe` dense steps in a row, in
     case acceptance has changed; each time a probe ends in dense steps again the wait doubles (up
-    to `max_wait`), so a run whose draft cannot pay costs about what dense costs. Lossless whatever
-    it picks."""
+    to `max_wait`), so a run whose draft cannot pay costs about what dense costs. Rows decoded
+    together share each round: γ is best for the live rows' mean Ω over each row's own α (`rows`),
+    not for their pooled α (Ω is convex in α: rows accepting everything beside rows accepting
+    little want a longer γ than their pooled rate says). Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
                  warm: int = 2, window: int = 9, max_wait: int = 256):
@@ -560,6 +562,7 @@ class GammaPlan:
         self.draft_s: list[float] = []
         self.row_s: list[float] = []
         self.accepted = self.tested = self.dense_run = self.dense_steps = 0
+        self.rows: dict[int, list[int]] = {}  # row -> [accepted, tested], where rows are decoded together
 
     def _median(self, xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
@@ -583,8 +586,15 @@ class GammaPlan:
         accepted pseudo-position so that an untested draft starts at 1."""
         return (self.accepted + 1) / (self.tested + 1)
 
-    def choose(self, room: int) -> tuple[int, str]:
-        """(γ, why) for a round that may still commit `room` draft tokens besides the bonus."""
+    def alphas(self, live: list[int] | None) -> float | list[float]:
+        """Each live row's α (as `alpha`, from that row's counts; a run of one row: its `alpha`)."""
+        if not live or not self.rows:
+            return self.alpha
+        return [(a + 1) / (t + 1) for a, t in (self.rows.get(b, (0, 0)) for b in live)]
+
+    def choose(self, room: int, live: list[int] | None = None) -> tuple[int, str]:
+        """(γ, why) for a round that may still commit `room` draft tokens besides the bonus (`live`:
+        the rows of this round, where several are decoded together)."""
         g_max = min(self.gamma, room)
         if not self.adaptive:
             return g_max, "fixed"
@@ -594,16 +604,18 @@ class GammaPlan:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
-        g = best_gamma(self.alpha, g_max, self.t_draft, self.t_dense, self.t_row or 0.0)
+        g = best_gamma(self.alphas(live), g_max, self.t_draft, self.t_dense, self.t_row or 0.0)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay: wait longer next time
             self.wait = min(2 * self.wait, self.max_wait)
         elif g > 0:
             self.wait = self.reprobe
         return g, "best"
 
-    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int, tested: int | None = None) -> None:
+    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int, tested: int | None = None,
+                rows: dict[int, tuple[int, int]] | None = None) -> None:
         """A round: `drafted` draft steps in `draft_s`, its verification in `verify_s`, `accepted`
-        draft tokens accepted of `tested` positions tested (default: one row's round)."""
+        draft tokens accepted of `tested` positions tested (default: one row's round); `rows`: the
+        same per row, {row: (accepted, tested)}, where several are decoded together."""
         def keep(xs: list[float], x: float) -> None:
             xs.append(x)
             del xs[:-self.window]
@@ -619,6 +631,10 @@ class GammaPlan:
             keep(self.row_s, max(0.0, verify_s - self.t_dense) / drafted)
         self.accepted += accepted
         self.tested += accepted + (accepted < drafted) if tested is None else tested
+        for b, (a, t) in (rows or {}).items():
+            counts = self.rows.setdefault(b, [0, 0])
+            counts[0] += a
+            counts[1] += t
 
 
 @torch.inference_mode()
@@ -689,7 +705,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
         if plan.adaptive and plan.draft_is_dense:  # the draft is the model itself: plain dense decoding
             g, why = 0, "draft = dense"
         else:
-            g, why = plan.choose(max(max_new_tokens - len(outs[b]) - 1 for b in live))  # room for the bonus
+            g, why = plan.choose(max(max_new_tokens - len(outs[b]) - 1 for b in live), live)  # room for the bonus
         ts = time.perf_counter()
         room = {b: min(g, max_new_tokens - len(outs[b]) - 1) for b in live}
         proposed = {b: [] for b in live}
@@ -724,12 +740,10 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
         tv = time.perf_counter()
         logits = step_rows(loaded, [runs[b] for b in live], [outs[b][-1:] + proposed[b] for b in live],
                            mode="dense", pad_to=gamma + 1 if steps else None)  # [len(proposed) + 1, V] per row
-        accepted_all = tested = 0
-        committed, acc = {}, {}
+        committed, acc, tests = {}, {}, {}
         for b, lg in zip(live, logits):
             accepted, bonus = acc[b] = _accept(lg, proposed[b], q_probs[b], sampling, gens[b])
-            accepted_all += accepted
-            tested += accepted + (accepted < len(proposed[b]))
+            tests[b] = (accepted, accepted + (accepted < len(proposed[b])))
             committed[b] = []
             for t in proposed[b][:accepted] + [bonus]:
                 committed[b].append(t)
@@ -746,7 +760,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                 drafts[b].end_round(runs[b], fed[b], outs[b])
         sync(dev)
         te = time.perf_counter()
-        plan.observe(steps, tv - ts, te - tv, accepted_all, tested)
+        plan.observe(steps, tv - ts, te - tv, sum(a for a, _ in tests.values()), sum(t for _, t in tests.values()),
+                     rows=tests)
         rows.timed(te - ts)
         for b in live:
             rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,

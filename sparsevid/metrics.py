@@ -102,14 +102,17 @@ def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
     return max(1.0, best) if adaptive else best
 
 
-def best_gamma(alpha: float, gamma_max: int, t_draft: float, t_dense: float, t_row: float,
+def best_gamma(alpha: float | list[float], gamma_max: int, t_draft: float, t_dense: float, t_row: float,
                margin: float = 0.05) -> int:
     """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of
     γ draft steps (t_draft each) and one verification of γ + 1 tokens (t_dense + γ·t_row); γ = 0 is a
-    plain dense step (one token per t_dense). Speculation must beat dense by `margin` (the costs are
+    plain dense step (one token per t_dense). A list of α: rows decoded together, sharing each
+    round (their mean Ω, as `batch_bound`). Speculation must beat dense by `margin` (the costs are
     measured, and a step's time varies by a few % between steps), else 0."""
+    alphas = alpha if isinstance(alpha, list) else [alpha]
+
     def rate(g: int) -> float:
-        return expected_tokens_per_round(alpha, g) / (g * t_draft + t_dense + g * t_row)
+        return statistics.mean(expected_tokens_per_round(a, g) for a in alphas) / (g * t_draft + t_dense + g * t_row)
 
     best = max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
     return best if rate(best) >= (1 + margin) * rate(0) else 0

@@ -225,6 +225,25 @@ def test_a_batch_bound_shares_one_gamma_across_rows():
     assert batch_bound([dict(row(0.0), draft_step_cost=1.0)], adaptive=True) == 1.0
 
 
+def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_one():
+    """Rows decoded together share a round's γ: one row accepting every draft token beside one
+    accepting one in five gets more from γ = 9 (mean Ω 6.1 over 3.9 dense steps) than the pooled
+    α = 0.90 suggests (γ = 5); a row left alone takes its own α."""
+    from sparsevid.engine import GammaPlan
+    from sparsevid.metrics import best_gamma
+
+    plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    for _ in range(3):
+        plan.observe(0, 0.0, 1.0, 0)  # dense steps: t_dense 1
+    for _ in range(4):  # draft steps 0.3, each verified token 0.02; row 0 accepts all, row 1 none
+        plan.observe(9, 9 * 0.3, 1.0 + 9 * 0.02, 9, 10, rows={0: (9, 9), 1: (0, 1)})
+    assert plan.alphas([0, 1]) == pytest.approx([1.0, 0.2])
+    assert best_gamma(plan.alpha, 9, 0.3, 1.0, 0.02) == 5
+    assert plan.choose(40, [0, 1]) == (9, "best")
+    assert plan.choose(40) == (5, "best")  # without rows: the pooled α
+    assert plan.choose(40, [1]) == (best_gamma(0.2, 9, 0.3, 1.0, 0.02), "best")  # row 1 left alone: its own
+
+
 def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     from sparsevid.engine import GammaPlan
 
