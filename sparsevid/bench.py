@@ -281,8 +281,7 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                 dense_tok_s.append(after[1])
                 figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
                 adaptive = any(rd.why != "fixed" for r in res[0] for rd in r.rounds)
-                bounds = ([f.get("bound_speedup") for f in figs] if B == 1 else  # a batch: its rounds are shared
-                          [batch_bound(figs[i:i + B], adaptive) for i in range(0, len(figs), B)])
+                bounds = [batch_bound(figs[i:i + B], adaptive) for i in range(0, len(figs), B)]  # batch 1: each row's own
                 per[name].append(dict(
                     speedup=res[1] / ((dense[1] + after[1]) / 2),
                     identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),

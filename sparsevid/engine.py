@@ -611,11 +611,13 @@ class GammaPlan:
             self.wait = self.reprobe
         return g, "best"
 
-    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int, tested: int | None = None,
+    def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int = 0, tested: int | None = None,
                 rows: dict[int, tuple[int, int]] | None = None) -> None:
         """A round: `drafted` draft steps in `draft_s`, its verification in `verify_s`, `accepted`
-        draft tokens accepted of `tested` positions tested (default: one row's round); `rows`: the
-        same per row, {row: (accepted, tested)}, where several are decoded together."""
+        draft tokens accepted of `tested` positions tested (default: one row's round); or `rows`,
+        {row: (accepted, tested)} (the round's counts are their sums)."""
+        if rows is not None:
+            accepted, tested = sum(a for a, _ in rows.values()), sum(t for _, t in rows.values())
         def keep(xs: list[float], x: float) -> None:
             xs.append(x)
             del xs[:-self.window]
@@ -760,8 +762,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                 drafts[b].end_round(runs[b], fed[b], outs[b])
         sync(dev)
         te = time.perf_counter()
-        plan.observe(steps, tv - ts, te - tv, sum(a for a, _ in tests.values()), sum(t for _, t in tests.values()),
-                     rows=tests)
+        plan.observe(steps, tv - ts, te - tv, rows=tests)
         rows.timed(te - ts)
         for b in live:
             rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,

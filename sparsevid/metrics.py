@@ -78,9 +78,11 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def speculative_bound(alpha: float, gamma: int, c: float, v: float) -> float:
-    """Speedup σ = Ω / (γ·c + v) with draft step cost c and verification cost v in dense steps."""
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
+def speculative_bound(alpha: float | list[float], gamma: int, c: float, v: float) -> float:
+    """Speedup σ = Ω / (γ·c + v) with draft step cost c and verification cost v in dense steps. A
+    list of α: rows decoded together, sharing each round's γ and passes (their mean Ω)."""
+    alphas = alpha if isinstance(alpha, list) else [alpha]
+    return statistics.mean(expected_tokens_per_round(a, gamma) for a in alphas) / (gamma * c + v)
 
 
 def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
@@ -97,8 +99,7 @@ def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
     c = statistics.median(f["draft_step_cost"] for f in rows)
     v = statistics.median(f["verify_cost"] for f in rows)
     gammas = range(1, max(f["gamma"] for f in rows) + 1) if adaptive else [max(f["gamma"] for f in rows)]
-    best = max(statistics.mean(expected_tokens_per_round(f["position_acceptance"], g) for f in rows) / (g * c + v)
-               for g in gammas)
+    best = max(speculative_bound([f["position_acceptance"] for f in rows], g, c, v) for g in gammas)
     return max(1.0, best) if adaptive else best
 
 
@@ -106,13 +107,11 @@ def best_gamma(alpha: float | list[float], gamma_max: int, t_draft: float, t_den
                margin: float = 0.05) -> int:
     """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of
     γ draft steps (t_draft each) and one verification of γ + 1 tokens (t_dense + γ·t_row); γ = 0 is a
-    plain dense step (one token per t_dense). A list of α: rows decoded together, sharing each
-    round (their mean Ω, as `batch_bound`). Speculation must beat dense by `margin` (the costs are
-    measured, and a step's time varies by a few % between steps), else 0."""
-    alphas = alpha if isinstance(alpha, list) else [alpha]
-
+    plain dense step (one token per t_dense). A list of α: rows decoded together (`speculative_bound`).
+    Speculation must beat dense by `margin` (the costs are measured, and a step's time varies by a
+    few % between steps), else 0."""
     def rate(g: int) -> float:
-        return statistics.mean(expected_tokens_per_round(a, g) for a in alphas) / (g * t_draft + t_dense + g * t_row)
+        return speculative_bound(alpha, g, t_draft, t_dense + g * t_row)
 
     best = max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
     return best if rate(best) >= (1 + margin) * rate(0) else 0
