@@ -588,9 +588,10 @@ def verify_kernels(args) -> int:
         Hkv, G, D = 4, 2, 24
     gamma = int(args.settings.get("gamma", 9))
     seqs = [int(x) for x in (args.seq or args.visual_tokens or "4608,9216").split(",")]
-    backends = [b for b in kernels.BACKENDS if b != "triton" or kernels.triton_available()]
-    if dev.type != "cuda":
-        backends = ["sdpa"]  # Triton runs on CUDA (the tests run it interpreted on the CPU)
+    if dev.type == "cuda":  # Triton runs on CUDA (the tests run it interpreted on the CPU)
+        backends = ["sdpa"] + (["triton"] if kernels.triton_available() else [])
+    else:  # the own CPU kernel where it builds (float32)
+        backends = ["sdpa"] + (["cpu"] if kernels.cpu_available() and dtype == torch.float32 else [])
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for B in [int(b) for b in str(args.batch).split(",")]:

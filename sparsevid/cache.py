@@ -203,7 +203,8 @@ def head_parts(lens: list[int], head_dim: int, device) -> list[list[int]] | None
     """KV heads of a compact cache in two groups, the longest first, each attended by its own call over
     its own buffer (the SDPA backend reads every head up to the longest's length): split where the
     elements saved, (Hkv - s) (K_max - K_s) head_dim at the best split s of the heads sorted by
-    length, reach `SPLIT_MIN_SAVED`. None: one call (the Triton backend stops at each head's length)."""
+    length, reach `SPLIT_MIN_SAVED`. None: one call (the Triton and the own CPU kernel stop at each
+    head's length, so they read no padding)."""
     from .kernels import backend
 
     if len(lens) < 2 or backend(torch.device(device)) != "sdpa":

@@ -16,7 +16,8 @@ one eager step to capture, no compiler, so it fits a ZeroGPU call), on the CPU c
   `attention.sparsevid_attention` sees it first, before it reads the active run, and calls
   `static_attention`, so nothing breaks the graph;
 - attention is `kernels.attend` (the write positions as a tensor: causality and each buffer's
-  unfilled tail; SDPA with a mask on the CPU, a split-KV Triton kernel on CUDA);
+  unfilled tail; a split-KV kernel of this project: C++ on the CPU (an op, so a compiled graph calls
+  it), Triton on CUDA; SDPA with a mask where neither is available);
 - CPU: the capacity dimension of every buffer is marked dynamic, and so is the row count of a
   verification pass (q > 1): one compiled graph serves every video length and every γ. CUDA: a
   graph per (buffers, rows, layers); the buffers come from the model's `cache.BufferPool`, so the
@@ -390,7 +391,8 @@ def state(loaded) -> str:
     """The loaded model's decode steps in words (for reports): compiled or eager, and why."""
     steps = "eager (compilation off)" if loaded.fast is None else loaded.fast.message
     note = getattr(loaded, "threads_note", "")
-    return f"{steps}; {note}" if note else steps
+    steps = f"{steps}; {note}" if note else steps
+    return f"{steps}; attention: {kernels.describe(loaded.device, loaded.dtype)}"
 
 
 def enable(loaded, mode: str = "auto") -> FastSteps | None:

@@ -6,12 +6,18 @@ takes the write position `start` as a tensor, so one captured CUDA graph or one 
 serves every step of a run. Row t of sequence b sees entries 0 .. start[b] + t (causality and the
 unfilled tail), and optionally an additive per-query-head bias (HT-Sparse's query masks).
 
-Two backends compute the same thing:
+Three backends compute the same thing:
 
 - `sdpa`: PyTorch's `scaled_dot_product_attention` with an additive mask [q, capacity] built from
   `start`, the G query heads of a KV head folded into rows (no K/V repeat). It reads the whole
   buffer. On the CPU it is the fast one (one fused call); on CUDA a mask rules out the flash kernel
   and it was measured at 91 GB/s on one H200 (issue 39);
+- `cpu`: the same split-KV scheme in C++ for the CPU (`csrc/decode_attention.cpp`, the op
+  `sparsevid::decode_attention`, built once per machine by `torch.utils.cpp_extension` into
+  ~/.cache/sparsevid/ext, so it runs inside compiled graphs too): SDPA's flash kernel and every other
+  PyTorch path tried read a decode step's KV at 10-15 GB/s at the embedded model's head dim 24 (bmm +
+  softmax, flex_attention: issue 41), a third to a half of what two cores can stream. float32 only;
+  where it cannot be built (no C++ compiler), `sdpa`, and `describe()` says why;
 - `triton`: a split-KV ("flash-decoding") kernel written here, because none of the libraries at
   hand does this with lengths as tensors and GQA without repeating K/V (SDPA's flash kernel takes
   no lengths; FlashInfer and flash-attn are not installed on the GPU image): the grid is
@@ -21,8 +27,8 @@ Two backends compute the same thing:
   on the capacity only, never on q, so a row's arithmetic is the same in a one-row step and in a
   verification pass.
 
-`backend()` picks `triton` on CUDA where Triton imports, else `sdpa`; SPARSEVID_ATTENTION=sdpa|triton
-overrides it (the GPU check times both). The tests check both against a float64 reference on the
+`backend()` picks `triton` on CUDA where Triton imports, `cpu` on the CPU where it builds, else `sdpa`;
+SPARSEVID_ATTENTION=sdpa|cpu|triton overrides it (`bench --verify-kernels` and the GPU check time each). The tests check both against a float64 reference on the
 CPU (Triton's interpreter, TRITON_INTERPRET=1).
 """
 
@@ -32,11 +38,12 @@ import contextlib
 import functools
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "triton")
+BACKENDS = ("sdpa", "cpu", "triton")
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,10 +61,83 @@ FORCED: str | None = os.environ.get("SPARSEVID_ATTENTION") if os.environ.get("SP
 
 def backend(device: torch.device) -> str:
     """The decode-attention backend for `device`: FORCED if set, else triton on CUDA (where it
-    imports), sdpa elsewhere."""
+    imports), cpu on the CPU (where it builds), sdpa elsewhere."""
     if FORCED is not None:
         return FORCED
-    return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if device.type == "cuda":
+        return "triton" if triton_available() else "sdpa"
+    return "cpu" if device.type == "cpu" and cpu_available() else "sdpa"
+
+
+_CPU_OP: str | None = None  # "" once the CPU op is loaded, else why it is not (None: not tried yet)
+_CPU_LOCK = threading.Lock()
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: ATen's parallel_for on torch's own OpenMP pool
+
+
+def cpu_available() -> bool:
+    """Whether the CPU op `sparsevid::decode_attention` is loaded: built (or found built) on the first
+    call, outside a compiled graph (inside one, only what is already known is read)."""
+    if _CPU_OP is None and not torch.compiler.is_compiling():
+        with _CPU_LOCK:
+            if _CPU_OP is None:
+                load_cpu_op()
+    return _CPU_OP == ""
+
+
+def describe(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The decode attention a step on `device` runs, in words (the steps line of a report)."""
+    which = backend(device)
+    if which == "cpu" and dtype == torch.float32:
+        return "own C++ kernel"
+    if which == "triton":
+        return "split-KV Triton kernel"
+    why = f"; own kernel: {_CPU_OP}" if device.type == "cpu" and _CPU_OP else ""
+    return f"SDPA with a mask{why}"
+
+
+def load_cpu_op() -> None:
+    """Build `csrc/decode_attention.cpp` into ~/.cache/sparsevid/ext/<key> (key: the source, flags,
+    torch version and this CPU's flags; -march=native) and load it; on failure keep the reason.
+    A build takes ~20 s once per machine (a process-safe lock: torch's); a later process loads it."""
+    global _CPU_OP
+    import hashlib
+    import platform
+    import warnings
+
+    try:
+        from torch.utils import cpp_extension
+
+        with open(SOURCE, "rb") as f:
+            key = hashlib.sha256(f.read())
+        key.update(" ".join(CFLAGS + [torch.__version__, platform.machine()]).encode())
+        try:
+            with open("/proc/cpuinfo") as f:
+                key.update(next((line for line in f if line.startswith(("flags", "Features"))), "").encode())
+        except OSError:
+            pass
+        build = os.path.join(os.path.expanduser("~"), ".cache", "sparsevid", "ext", key.hexdigest()[:16])
+        os.makedirs(build, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load("sparsevid_decode_attention", [SOURCE], extra_cflags=CFLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=build, is_python_module=False)
+        _register_fake()
+        _CPU_OP = ""
+    except Exception as e:  # no compiler, no ninja, an unusual platform: SDPA serves
+        _CPU_OP = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
+
+
+def _register_fake() -> None:
+    """The op's output shape for torch.compile's tracing: [B, q, H, D]."""
+    if getattr(_register_fake, "done", False):
+        return
+
+    @torch.library.register_fake("sparsevid::decode_attention")
+    def _(q, k, v, start, scale, bias):
+        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+    _register_fake.done = True
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
@@ -71,7 +151,21 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     which = which or backend(query.device)
     if which == "triton":
         return attend_triton(query, k, v, start, scale, bias)
+    if which == "cpu" and query.device.type == "cpu" and query.dtype == torch.float32 and cpu_available():
+        return attend_cpu(query, k, v, start, scale, bias)
     return attend_sdpa(query, k, v, start, scale, bias)
+
+
+def attend_cpu(query, k, v, start, scale, bias=None):
+    """`attend` through the C++ CPU op (see the module docstring), on the threads `call_threads`
+    gives a call of its size (it splits the keys itself, so one (sequence, KV head) is not one item)."""
+    B, H, q, D = query.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
+    if bias is not None:
+        bias = bias[None] if bias.dim() == 3 else bias
+    with threads(call_threads(query.device, B * Hkv, N, split=True)):
+        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias)
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
@@ -89,7 +183,7 @@ def traced_threads() -> int:
     return torch.get_num_threads()
 
 
-def call_threads(device: torch.device, items: int, n: int) -> int | None:
+def call_threads(device: torch.device, items: int, n: int, split: bool = False) -> int | None:
     """The thread count an eager CPU attention call over `items` (sequence, KV head) pairs of `n`
     entries runs on, or None (the step's own):
     - one item: one thread. The CPU flash kernel parallelises over (sequence, KV head, block of 32
@@ -98,11 +192,11 @@ def call_threads(device: torch.device, items: int, n: int) -> int | None:
       OMP_WAIT_POLICY=PASSIVE, 2 threads, 2 query rows over 9,400 entries of head dim 24 took
       2,380 us against 102 us on one thread (one HT-Sparse full head in a group of its own: a
       decode step 3x dense's). In a compiled graph (no switch), `attend_sdpa` makes the G query
-      heads G items instead;
+      heads G items instead. Not for a call that splits the keys itself (`split`: the `cpu` op);
     - at least WIDE_MIN (item, entry) pairs inside a step on fewer threads: `WIDE_THREADS`."""
     if device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    if items == 1:
+    if items == 1 and not split:
         return 1
     return WIDE_THREADS if WIDE_THREADS is not None and items * n >= WIDE_MIN else None
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
-from . import attention
+from . import attention, kernels
 from .adapters import Adapter, adapter_for
 from .cache import BufferPool
 from .errors import ModelError
@@ -106,6 +106,8 @@ def load_model(name_or_dir: str | None = None, device: str | None = None, dtype=
     except Exception as e:
         raise ModelError(f"Model '{name_or_dir}' could not be loaded: {type(e).__name__}: {e}".split("\n")[0]) from None
     model.to(dev).eval()
+    if dev.type == "cpu" and dt == torch.float32:  # build (once per machine, ~15 s) or load the CPU decode attention
+        kernels.cpu_available()
     model.set_attn_implementation({"text_config": attention.NAME})
     attention.install(model)  # the pruning pre-hooks (inactive unless a run prunes its prefill)
     adapter = adapter_for(path, config, tokenizer)

@@ -44,8 +44,10 @@ def ragged(tiny_loaded):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch):
     # one-row runs split a compact cache's heads by length wherever they differ (`cache.head_parts`);
-    # a batch stacks each layer in one buffer (`SparseKV.merge`): the same tokens either way
+    # a batch stacks each layer in one buffer (`SparseKV.merge`): the same tokens either way (splits
+    # exist for the SDPA backend: the others stop at each head's length)
     monkeypatch.setattr(cache_mod, "SPLIT_MIN_SAVED", 1)
+    monkeypatch.setattr(kernels, "FORCED", "sdpa")
     loaded, inputs = ragged(arch)
     assert len({x.m for x in inputs}) == 3
     # An end token the first row says early (and the others may say at other steps): rows end apart.
@@ -111,8 +113,9 @@ def test_a_prompt_that_joins_takes_the_row_that_ended_in_place(ragged, monkeypat
     """Continuous batching, two rows at a time over five prompts: a prompt that joins where a longer
     one ended is copied into that row of the stacked buffers (the other row untouched, no restack);
     one that does not fit is stacked again; every row keeps its one-row tokens, for dense, StD
-    (compact draft caches) and SparseMM (per-head layouts, split by length in its one-row runs)."""
+    (compact draft caches) and SparseMM (per-head layouts, split by length in its one-row runs, SDPA)."""
     monkeypatch.setattr(cache_mod, "SPLIT_MIN_SAVED", 1)
+    monkeypatch.setattr(kernels, "FORCED", "sdpa")
     loaded, inputs = ragged("qwen2_vl")
     prompts = [inputs[2], inputs[1], inputs[0], inputs[1], inputs[2]]  # 12, 4, 8, 4, 12 frames
     placed, stacked = [], []

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from sparsevid import cache, fast
+from sparsevid import cache, fast, kernels
 from sparsevid.engine import Sampling
 from sparsevid.runs import compile_steps, run_method
 
@@ -102,6 +102,8 @@ def test_per_head_steps_compiled_or_eager_give_the_same_tokens(tiny_loaded, eage
     layer, or their heads split by length in two) through the graph, and eager where `per_head` is
     off (auto mode turns it off where their compiled step measures slower)."""
     monkeypatch.setattr(cache, "SPLIT_MIN_SAVED", 1 if split else 10**9)
+    if split:  # heads split by length exist for the SDPA backend (the others stop at each head's length)
+        monkeypatch.setattr(kernels, "FORCED", "sdpa")
     loaded = tiny_loaded("qwen2_vl")
     inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
     ignore = Sampling(ignore_eos=True)
@@ -242,7 +244,7 @@ def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
 
     assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2", "--device", "cpu"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
-    assert len(rows) == 4 and {r[3] for r in rows} == {"sdpa"}  # the CPU's backend; 1 and γ + 1 rows, 2 batches
+    assert len(rows) == 8 and {r[3] for r in rows} == {"sdpa", "cpu"}  # the CPU's backends; 1 and γ + 1 rows, 2 batches
     assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # exact attention
 
 

@@ -22,7 +22,7 @@ CASES = [
 
 
 def backends(device):
-    out = ["sdpa"]
+    out = ["sdpa"] + (["cpu"] if device == "cpu" else [])
     if kernels.triton_available() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         out.append("triton")
     return out
@@ -87,13 +87,26 @@ def test_sdpa_backend_takes_a_non_contiguous_sdpa_output(monkeypatch):
     assert (out.double() - ref).abs().max() < 1e-6
 
 
-def test_the_backend_is_triton_on_cuda_and_sdpa_on_the_cpu(monkeypatch):
+def test_the_backend_is_triton_on_cuda_and_the_own_kernel_on_the_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "FORCED", None)
-    assert kernels.backend(torch.device("cpu")) == "sdpa"
+    assert kernels.cpu_available(), kernels.describe(torch.device("cpu"))  # CI has g++: the build must work there
+    assert kernels.backend(torch.device("cpu")) == "cpu"
     if kernels.triton_available():
         assert kernels.backend(torch.device("cuda")) == "triton"
     monkeypatch.setattr(kernels, "FORCED", "sdpa")
     assert kernels.backend(torch.device("cuda")) == "sdpa"
+
+
+def test_the_cpu_kernel_gives_a_row_the_same_bits_in_a_step_a_verification_and_a_batch():
+    """A row's arithmetic depends only on the entries it sees: its output is bit-identical in a
+    one-row step, as a row of a verification pass, and beside a longer sequence in a bigger buffer
+    (splits and tiles start at fixed key indices), so a lossless method's rows cannot drift from
+    dense steps in attention."""
+    (query, k, v), start, _ = inputs(2, 4, 2, 6, 24, 3000, [[1500], [2900]], "cpu")
+    verify = kernels.attend(query, k, v, start, 0.2, which="cpu")  # rows t = 0..5 of both sequences
+    for t in range(6):
+        step = kernels.attend(query[:1, :, t:t + 1], k[:1, :, :1600], v[:1, :, :1600], start[:1] + t, 0.2, which="cpu")
+        assert torch.equal(step[0, 0], verify[0, t]), t
 
 
 def sdpa_threads(monkeypatch) -> list[int]:

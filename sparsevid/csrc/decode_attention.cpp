@@ -1,0 +1,356 @@
+// Decode attention on the CPU: a few new query rows per sequence over a preallocated KV buffer, read once.
+//
+// `sparsevid::decode_attention(q, k, v, start, scale, bias)`, the CPU backend of `kernels.attend` (see
+// its docstring for the arguments). Written here because PyTorch's CPU kernels read a decode step's KV
+// at 10-15 GB/s at small head dims (SDPA's flash kernel, bmm + softmax, flex_attention, measured on
+// the embedded model's head dim 24) against ~25-30 GB/s that the memory gives two cores.
+//
+// The work is split in items (sequence b, KV head h, split of SPLIT keys); each item reads its keys once
+// for all G * q rows of its KV head (the G query heads and the q new tokens), in tiles of TILE keys,
+// with an online softmax, and writes a partial output, its running max and sum; a second pass combines
+// the splits of a row in order. Splits and tiles start at fixed multiples of the key index, whatever the
+// buffer's capacity, the batch or q: so a row's arithmetic depends only on the entries it sees, and a
+// row gives the same bits in a one-row step, in a verification pass of γ + 1 rows and in a batch (what
+// lossless speculative decoding needs). A masked entry contributes an exact zero.
+//
+// Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPARSEVID_AVX2 1
+#else
+#define SPARSEVID_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t TILE = 64;    // keys scored at once (one row's scores: 4 AVX-512 vectors)
+constexpr int64_t SPLIT = 512;  // keys per item: ~100 KB of K and V at head dim 24
+
+// e^x for x <= 0, exactly 0 below -87 (and for -inf: a masked entry), ~1 ulp elsewhere; branch-free
+// so the loops around it vectorize (libm's expf does not without -ffast-math).
+inline float exp_neg(float x) {
+  const bool zero = !(x > -87.0f);
+  x = zero ? 0.0f : x;
+  // n = round(x / ln 2) by adding and removing 1.5 * 2^23 (vectorizes; std::nearbyint does not)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return zero ? 0.0f : p * scale;
+}
+
+struct Args {
+  const float *q, *k, *v, *bias;
+  const int64_t* start;  // [B, Hkv], contiguous
+  int64_t B, H, Q, D, Hkv, G, N;
+  int64_t qs[3];      // q strides (b, h, t); last stride 1
+  int64_t ks[3], vs[3];  // k, v strides (b, h, n)
+  int64_t bs[4];      // bias strides (b, h, g, n)
+  float scale;
+};
+
+#if SPARSEVID_AVX2
+// AVX2 (head dims that are multiples of 8): the scores of a tile for NB rows at once straight from K's
+// rows (each key loaded once for all of them), 8 keys at a time: their D / 8 partial products summed
+// lane-wise, then the 8 horizontal sums done together (three hadds and one cross-lane add); no
+// transposed copy of K. s [NB, TILE]: q_i . k_{j0 + j}; keys past n read key n - 1 (masked later).
+// A row's arithmetic is the same whatever NB.
+template <int64_t DC, int NB>
+inline void score_avx2(const float* q, const float* kb, int64_t kstride, int64_t j0, int64_t n, int64_t D, float* s) {
+  constexpr int64_t CL = (DC > 0 ? DC : 256) / 8;
+  const int64_t C = D / 8;
+  __m256 qv[NB][CL];
+  for (int i = 0; i < NB; ++i)
+    for (int64_t c = 0; c < C; ++c) qv[i][c] = _mm256_loadu_ps(q + i * D + 8 * c);
+  for (int64_t j = 0; j < TILE; j += 8) {
+    __m256 t[NB][8];
+    for (int64_t u = 0; u < 8; ++u) {
+      const float* kj = kb + (j0 + std::min(j + u, n - 1)) * kstride;
+      const __m256 k0 = _mm256_loadu_ps(kj);
+      for (int i = 0; i < NB; ++i) t[i][u] = _mm256_mul_ps(qv[i][0], k0);
+      for (int64_t c = 1; c < C; ++c) {
+        const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+        for (int i = 0; i < NB; ++i) t[i][u] = _mm256_fmadd_ps(qv[i][c], kc, t[i][u]);
+      }
+    }
+    for (int i = 0; i < NB; ++i) {
+      const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(t[i][0], t[i][1]), _mm256_hadd_ps(t[i][2], t[i][3]));
+      const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(t[i][4], t[i][5]), _mm256_hadd_ps(t[i][6], t[i][7]));
+      _mm256_storeu_ps(s + i * TILE + j,
+                       _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31)));
+    }
+  }
+}
+
+// Rows o_i = o_i * alpha_i + sum_{j < seen} p_ij v_{j0 + j} for NB rows at once (each V row loaded once
+// for all of them), two chains per row (even and odd keys) in registers. A row's arithmetic is the same
+// whatever NB and the other rows (their p past a row's own entries are exact zeros).
+template <int64_t DC, int NB>
+inline void accumulate_avx2(float* o, const float* alpha, const float* p, const float* v, int64_t vstride,
+                            int64_t seen, int64_t D) {
+  constexpr int64_t CL = (DC > 0 ? DC : 256) / 8;
+  const int64_t C = D / 8;
+  __m256 o0[NB][CL], o1[NB][CL];
+  for (int i = 0; i < NB; ++i) {
+    const __m256 al = _mm256_set1_ps(alpha[i]);
+    for (int64_t c = 0; c < C; ++c) {
+      o0[i][c] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8 * c), al);
+      o1[i][c] = _mm256_setzero_ps();
+    }
+  }
+  int64_t j = 0;
+  for (; j + 1 < seen; j += 2, v += 2 * vstride) {
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 v0 = _mm256_loadu_ps(v + 8 * c), v1 = _mm256_loadu_ps(v + vstride + 8 * c);
+      for (int i = 0; i < NB; ++i) {
+        o0[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j]), v0, o0[i][c]);
+        o1[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j + 1]), v1, o1[i][c]);
+      }
+    }
+  }
+  if (j < seen) {
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 v0 = _mm256_loadu_ps(v + 8 * c);
+      for (int i = 0; i < NB; ++i) o0[i][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j]), v0, o0[i][c]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(o + i * D + 8 * c, _mm256_add_ps(o0[i][c], o1[i][c]));
+}
+#endif
+
+// One item: rows r = g * Q + t of KV head h of sequence b over keys [lo, hi); m, l [R], acc [R, D].
+// DC: the head dim as a constant (0: any, up to DMAX), so that a row's scores [TILE] and output [D]
+// stay in registers through the loops over d and over keys.
+constexpr int64_t DMAX = 256;
+
+template <int64_t DC>
+void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* acc,
+          float* qrow, float* kt, float* p, float* al, int64_t* sn) {
+  constexpr int64_t DL = DC > 0 ? DC : DMAX;
+  const int64_t D = DC > 0 ? DC : a.D, R = a.G * a.Q;
+  const float NEG = -std::numeric_limits<float>::infinity();
+  const int64_t st = a.start[b * a.Hkv + h];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = r / a.Q, t = r % a.Q;
+    const float* src = a.q + b * a.qs[0] + (h * a.G + g) * a.qs[1] + t * a.qs[2];
+    for (int64_t d = 0; d < D; ++d) qrow[r * D + d] = src[d] * a.scale;
+    m[r] = NEG;
+    l[r] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+  }
+  const float* kb = a.k + b * a.ks[0] + h * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  const bool avx = SPARSEVID_AVX2 && D % 8 == 0;
+  for (int64_t j0 = lo; j0 < hi; j0 += TILE) {
+    const int64_t n = std::min(TILE, hi - j0);
+    for (int64_t j = 0; j < TILE && !avx; ++j) {  // K tile transposed, kt [D, TILE] (zero past the keys)
+      const float* kj = kb + (j0 + std::min(j, n - 1)) * a.ks[2];
+      const float keep = j < n ? 1.0f : 0.0f;
+      for (int64_t d = 0; d < D; ++d) kt[d * TILE + j] = kj[d] * keep;
+    }
+    // scores into p [R, TILE], two rows at a time where their registers fit
+    int64_t r0 = 0;
+#if SPARSEVID_AVX2
+    for (; avx && D <= 32 && r0 + 1 < R; r0 += 2) score_avx2<DC, 2>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
+    for (; avx && r0 < R; ++r0) score_avx2<DC, 1>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
+#endif
+    for (; r0 < R; ++r0) {  // without AVX2: over the transposed tile
+      float s[TILE] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qrow[r0 * D + d];
+        const float* kd = kt + d * TILE;
+#pragma omp simd
+        for (int64_t j = 0; j < TILE; ++j) s[j] += qd * kd[j];
+      }
+      for (int64_t j = 0; j < TILE; ++j) p[r0 * TILE + j] = s[j];
+    }
+    // the online softmax of each row; p becomes its weights
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t g = r / a.Q, end = st + r % a.Q;  // the last entry row r sees
+      const int64_t seen = std::min(n, end - j0 + 1);
+      float* pr = p + r * TILE;
+      float s[TILE];
+      for (int64_t j = 0; j < TILE; ++j) s[j] = pr[j];
+      al[r] = 1.0f;  // a row with nothing (unmasked) in this tile keeps its output
+      sn[r] = 0;
+      for (int64_t j = 0; j < TILE; ++j) pr[j] = 0.0f;
+      if (seen <= 0) continue;
+      if (a.bias != nullptr) {
+        const float* br = a.bias + b * a.bs[0] + h * a.bs[1] + g * a.bs[2] + j0 * a.bs[3];
+        for (int64_t j = 0; j < seen; ++j) s[j] += br[j * a.bs[3]];
+      }
+      float mt = m[r];
+#pragma omp simd reduction(max : mt)
+      for (int64_t j = 0; j < TILE; ++j) {
+        s[j] = j < seen ? s[j] : NEG;
+        mt = std::max(mt, s[j]);
+      }
+      if (mt == NEG) continue;  // everything seen so far is masked (a bias)
+      const float alpha = exp_neg(m[r] - mt);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < TILE; ++j) {
+        pr[j] = exp_neg(s[j] - mt);
+        sum += pr[j];
+      }
+      m[r] = mt;
+      l[r] = l[r] * alpha + sum;
+      al[r] = alpha;
+      sn[r] = seen;
+    }
+    // the output rows, two at a time where a pair's accumulators fit in registers
+    const float* vt = vb + j0 * a.vs[2];
+    int64_t r = 0;
+#if SPARSEVID_AVX2
+    for (; avx && D <= 32 && r + 1 < R; r += 2)
+      accumulate_avx2<DC, 2>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], std::max(sn[r], sn[r + 1]), D);
+    for (; avx && r < R; ++r) accumulate_avx2<DC, 1>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], sn[r], D);
+#endif
+    for (; r < R; ++r) {  // the same without AVX2: two chains (even and odd keys)
+      float o0[DL], o1[DL];
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        o0[d] = ar[d] * al[r];
+        o1[d] = 0.0f;
+      }
+      int64_t j = 0;
+      for (; j + 1 < sn[r]; j += 2) {
+        const float p0 = p[r * TILE + j], p1 = p[r * TILE + j + 1];
+        const float* v0 = vt + j * a.vs[2];
+        const float* v1 = v0 + a.vs[2];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          o0[d] += p0 * v0[d];
+          o1[d] += p1 * v1[d];
+        }
+      }
+      if (j < sn[r]) {
+        const float p0 = p[r * TILE + j];
+        const float* v0 = vt + j * a.vs[2];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o0[d] += p0 * v0[d];
+      }
+      for (int64_t d = 0; d < D; ++d) ar[d] = o0[d] + o1[d];
+    }
+  }
+}
+
+template <int64_t DC>
+void run(const Args& a, float* out) {
+  const int64_t D = a.D, R = a.G * a.Q;
+  int64_t last = 0;  // the largest entry any row sees, + 1
+  for (int64_t i = 0; i < a.B * a.Hkv; ++i) last = std::max(last, a.start[i] + a.Q);
+  last = std::min(last, a.N);
+  const int64_t splits = std::max<int64_t>(1, (last + SPLIT - 1) / SPLIT), items = a.B * a.Hkv * splits;
+  std::vector<float> m(items * R), l(items * R), acc(items * R * D);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qrow(R * D), kt(D * TILE), p(R * TILE), al(R);
+    std::vector<int64_t> sn(R);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bh = i / splits, sp = i % splits, b = bh / a.Hkv, h = bh % a.Hkv;
+      const int64_t lo = sp * SPLIT, hi = std::min({(sp + 1) * SPLIT, a.N, a.start[bh] + a.Q});
+      if (lo >= hi) {
+        for (int64_t r = 0; r < R; ++r) {
+          m[i * R + r] = -std::numeric_limits<float>::infinity();
+          l[i * R + r] = 0.0f;
+        }
+        continue;
+      }
+      item<DC>(a, b, h, lo, hi, &m[i * R], &l[i * R], &acc[i * R * D], qrow.data(), kt.data(), p.data(), al.data(), sn.data());
+    }
+  });
+  // combine the splits of each row, in order: out [B, Q, H, D]
+  at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t bh = i0; bh < i1; ++bh) {
+      const int64_t b = bh / a.Hkv, h = bh % a.Hkv;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / a.Q, t = r % a.Q;
+        float mx = -std::numeric_limits<float>::infinity(), den = 0.0f;
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, m[(bh * splits + sp) * R + r]);
+        float* o = out + ((b * a.Q + t) * a.H + h * a.G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t i = bh * splits + sp;
+          if (l[i * R + r] == 0.0f) continue;
+          const float w = exp_neg(m[i * R + r] - mx);
+          den += w * l[i * R + r];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[(i * R + r) * D + d];
+        }
+        const float inv = 1.0f / den;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
+                            double scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: last dim must be contiguous");
+  TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() && start.dim() == 2, "decode_attention: start [B, Hkv] int64");
+  Args a{};
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.start = start.data_ptr<int64_t>();
+  a.B = q.size(0), a.H = q.size(1), a.Q = q.size(2), a.D = q.size(3), a.Hkv = k.size(1), a.N = k.size(2);
+  a.G = a.H / a.Hkv;
+  TORCH_CHECK(a.D <= DMAX, "decode_attention: head dim above 256");
+  TORCH_CHECK(a.G * a.Hkv == a.H && k.size(3) == a.D && v.size(2) == a.N && start.size(0) == a.B && start.size(1) == a.Hkv,
+              "decode_attention: shapes do not match");
+  TORCH_CHECK(k.size(0) == a.B || k.size(0) == 1, "decode_attention: k, v batch must be B or 1");
+  for (int i = 0; i < 3; ++i) {
+    a.qs[i] = q.stride(i);
+    a.ks[i] = k.size(0) == 1 && i == 0 ? 0 : k.stride(i);
+    a.vs[i] = v.size(0) == 1 && i == 0 ? 0 : v.stride(i);
+  }
+  a.bias = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor& bt = *bias;
+    TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 4 && bt.size(1) == a.Hkv && bt.size(2) == a.G && bt.size(3) == a.N,
+                "decode_attention: bias [B or 1, Hkv, G, N] float32");
+    a.bias = bt.data_ptr<float>();
+    for (int i = 0; i < 4; ++i) a.bs[i] = bt.size(0) == 1 && i == 0 ? 0 : bt.stride(i);
+  }
+  a.scale = static_cast<float>(scale);
+  at::Tensor out = at::empty({a.B, a.Q, a.H, a.D}, q.options());
+  float* o = out.data_ptr<float>();
+  switch (a.D) {  // the head dims of the models at hand, unrolled; any other through the generic loop
+    case 24: run<24>(a, o); break;
+    case 64: run<64>(a, o); break;
+    case 128: run<128>(a, o); break;
+    default: run<0>(a, o);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sparsevid, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sparsevid, CPU, m) { m.impl("decode_attention", &decode_attention); }
