@@ -125,7 +125,9 @@ def load_cpu_op() -> None:
         _register_fake()
         _CPU_OP = ""
     except Exception as e:  # no compiler, no ninja, an unusual platform: SDPA serves
-        _CPU_OP = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
+        why = next((line for line in lines if "error:" in line.lower()), lines[-1])
+        _CPU_OP = f"{type(e).__name__}: {why}"[:300]  # the compiler's first error, not ninja's last line
 
 
 def _register_fake() -> None:

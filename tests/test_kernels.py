@@ -97,6 +97,24 @@ def test_the_backend_is_triton_on_cuda_and_the_own_kernel_on_the_cpu(monkeypatch
     assert kernels.backend(torch.device("cuda")) == "sdpa"
 
 
+def test_where_the_cpu_kernel_cannot_be_built_attention_falls_back_to_sdpa_and_says_why(monkeypatch, tmp_path):
+    """A machine without a working compiler (here: a source that does not compile) still decodes,
+    through SDPA, and the steps line says why the own kernel is not used."""
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", str(bad))
+    monkeypatch.setenv("HOME", str(tmp_path))  # its build folder (~/.cache/sparsevid/ext) under tmp
+    monkeypatch.setattr(kernels, "_CPU_OP", None)
+    monkeypatch.setattr(kernels, "FORCED", None)
+    cpu = torch.device("cpu")
+    assert not kernels.cpu_available()
+    assert kernels.backend(cpu) == "sdpa"
+    assert kernels.describe(cpu).startswith("SDPA with a mask; own kernel: ") and "error" in kernels.describe(cpu)
+    (query, k, v), start, _ = inputs(1, 4, 2, 1, 24, 100, [60], "cpu")
+    out = kernels.attend(query, k, v, start, 0.2)
+    assert (out.double() - kernels.reference(query, k, v, start, 0.2)).abs().max() < 2e-6
+
+
 def test_the_cpu_kernel_gives_a_row_the_same_bits_in_a_step_a_verification_and_a_batch():
     """A row's arithmetic depends only on the entries it sees: its output is bit-identical in a
     one-row step, as a row of a verification pass, and beside a longer sequence in a bigger buffer
