@@ -573,7 +573,8 @@ def verify_kernels(args) -> int:
     achieved GB/s of K and V and its error against a float64 reference (checked on a slice of
     the heads). Head shape: --shape's (default the embedded model's: Hkv 4, G 2, D 24).
     On CUDA also SDPA's flash kernel without any mask over exactly the entries read: the
-    bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths)."""
+    bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths); on
+    the CPU a plain sum over the same K and V (the memory bound of a step)."""
 
     from .models import pick_device
 
@@ -605,6 +606,9 @@ def verify_kernels(args) -> int:
                                         start[:1].cpu(), D ** -0.5)
                 nbytes = 2 * B * Hkv * n * D * k.element_size()
                 cands = {b: (lambda b=b: kernels.attend(q, k, v, start, D ** -0.5, which=b)) for b in backends}
+                if dev.type != "cuda" and q_rows == 1:  # the memory bound: the same bytes read by a plain sum
+                    kk, vv = k[:, :, :n], v[:, :, :n]
+                    cands["read K and V once (bound)"] = lambda: (kk.sum(), vv.sum())
                 if dev.type == "cuda" and q_rows == 1:
                     kk, vv = k[:, :, :n], v[:, :, :n]
                     cands["sdpa, no mask (ceiling)"] = lambda: F.scaled_dot_product_attention(
@@ -617,7 +621,7 @@ def verify_kernels(args) -> int:
                     t = time_calls(fn, dev)
                     out = fn()
                     err = None
-                    if not name.startswith("sdpa, no mask"):
+                    if not name.startswith(("sdpa, no mask", "read K and V")):
                         err = (out[:1, :, :G].double().cpu() - ref).abs().max().item()
                     rows.append(dict(batch=B, entries=n, rows=q_rows, kernel=name, ms=t * 1e3,
                                      gb_s=nbytes / t / 1e9, max_error=err))
