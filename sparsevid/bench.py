@@ -606,11 +606,10 @@ def verify_kernels(args) -> int:
                                         start[:1].cpu(), D ** -0.5)
                 nbytes = 2 * B * Hkv * n * D * k.element_size()
                 cands = {b: (lambda b=b: kernels.attend(q, k, v, start, D ** -0.5, which=b)) for b in backends}
+                kk, vv = k[:, :, :n], v[:, :, :n]
                 if dev.type != "cuda" and q_rows == 1:  # the memory bound: the same bytes read by a plain sum
-                    kk, vv = k[:, :, :n], v[:, :, :n]
                     cands["read K and V once (bound)"] = lambda: (kk.sum(), vv.sum())
                 if dev.type == "cuda" and q_rows == 1:
-                    kk, vv = k[:, :, :n], v[:, :, :n]
                     cands["sdpa, no mask (ceiling)"] = lambda: F.scaled_dot_product_attention(
                         q, kk, vv, scale=D ** -0.5, enable_gqa=True)
                 if "triton" in backends:  # tile variants (key block, warps, stages), timed for the record

@@ -28,7 +28,7 @@ Three backends compute the same thing:
   verification pass.
 
 `backend()` picks `triton` on CUDA where Triton imports, `cpu` on the CPU where it builds, else `sdpa`;
-SPARSEVID_ATTENTION=sdpa|cpu|triton overrides it (`bench --verify-kernels` and the GPU check time each). The tests check both against a float64 reference on the
+SPARSEVID_ATTENTION=sdpa|cpu|triton overrides it (`bench --verify-kernels` and the GPU check time each). The tests check each against a float64 reference on the
 CPU (Triton's interpreter, TRITON_INTERPRET=1).
 """
 
@@ -99,7 +99,7 @@ def describe(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
 def load_cpu_op() -> None:
     """Build `csrc/decode_attention.cpp` into ~/.cache/sparsevid/ext/<key> (key: the source, flags,
     torch version and this CPU's flags; -march=native) and load it; on failure keep the reason.
-    A build takes ~20 s once per machine (a process-safe lock: torch's); a later process loads it."""
+    A build takes ~12 s once per machine (a process-safe lock: torch's); a later process loads it."""
     global _CPU_OP
     import hashlib
     import platform

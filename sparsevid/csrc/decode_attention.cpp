@@ -37,6 +37,7 @@ namespace {
 
 constexpr int64_t TILE = 64;    // keys scored at once (one row's scores: 4 AVX-512 vectors)
 constexpr int64_t SPLIT = 512;  // keys per item: ~100 KB of K and V at head dim 24
+constexpr int64_t DMAX = 256;   // the largest head dim
 
 // e^x for x <= 0, exactly 0 below -87 (and for -inf: a masked entry), ~1 ulp elsewhere; branch-free
 // so the loops around it vectorize (libm's expf does not without -ffast-math).
@@ -70,35 +71,26 @@ struct Args {
 };
 
 #if SPARSEVID_AVX2
-// AVX2 (head dims that are multiples of 8): the scores of a tile for NB rows at once straight from K's
-// rows (each key loaded once for all of them), 8 keys at a time: their D / 8 partial products summed
-// lane-wise, then the 8 horizontal sums done together (three hadds and one cross-lane add); no
-// transposed copy of K. s [NB, TILE]: q_i . k_{j0 + j}; keys past n read key n - 1 (masked later).
-// A row's arithmetic is the same whatever NB.
-template <int64_t DC, int NB>
+// AVX2 (head dims that are multiples of 8): a row's scores of a tile straight from K's rows, 8 keys at a
+// time: their D / 8 partial products summed lane-wise, then the 8 horizontal sums done together (three
+// hadds and one cross-lane add); no transposed copy of K. s [TILE]: q . k_{j0 + j}; keys past n read
+// key n - 1 (masked later). (Two rows sharing each key's loads measured no faster.)
+template <int64_t DC>
 inline void score_avx2(const float* q, const float* kb, int64_t kstride, int64_t j0, int64_t n, int64_t D, float* s) {
-  constexpr int64_t CL = (DC > 0 ? DC : 256) / 8;
+  constexpr int64_t CL = (DC > 0 ? DC : DMAX) / 8;
   const int64_t C = D / 8;
-  __m256 qv[NB][CL];
-  for (int i = 0; i < NB; ++i)
-    for (int64_t c = 0; c < C; ++c) qv[i][c] = _mm256_loadu_ps(q + i * D + 8 * c);
+  __m256 qv[CL];
+  for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   for (int64_t j = 0; j < TILE; j += 8) {
-    __m256 t[NB][8];
+    __m256 t[8];
     for (int64_t u = 0; u < 8; ++u) {
       const float* kj = kb + (j0 + std::min(j + u, n - 1)) * kstride;
-      const __m256 k0 = _mm256_loadu_ps(kj);
-      for (int i = 0; i < NB; ++i) t[i][u] = _mm256_mul_ps(qv[i][0], k0);
-      for (int64_t c = 1; c < C; ++c) {
-        const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
-        for (int i = 0; i < NB; ++i) t[i][u] = _mm256_fmadd_ps(qv[i][c], kc, t[i][u]);
-      }
+      t[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+      for (int64_t c = 1; c < C; ++c) t[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), t[u]);
     }
-    for (int i = 0; i < NB; ++i) {
-      const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(t[i][0], t[i][1]), _mm256_hadd_ps(t[i][2], t[i][3]));
-      const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(t[i][4], t[i][5]), _mm256_hadd_ps(t[i][6], t[i][7]));
-      _mm256_storeu_ps(s + i * TILE + j,
-                       _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31)));
-    }
+    const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+    _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31)));
   }
 }
 
@@ -131,7 +123,7 @@ inline void score_t512(const float* q, const float* kt, int64_t D, float* s) {
 template <int64_t DC, int NB>
 inline void accumulate_avx2(float* o, const float* alpha, const float* p, const float* v, int64_t vstride,
                             int64_t seen, int64_t D) {
-  constexpr int64_t CL = (DC > 0 ? DC : 256) / 8;
+  constexpr int64_t CL = (DC > 0 ? DC : DMAX) / 8;
   const int64_t C = D / 8;
   __m256 o0[NB][CL], o1[NB][CL];
   for (int i = 0; i < NB; ++i) {
@@ -163,9 +155,8 @@ inline void accumulate_avx2(float* o, const float* alpha, const float* p, const 
 #endif
 
 // One item: rows r = g * Q + t of KV head h of sequence b over keys [lo, hi); m, l [R], acc [R, D].
-// DC: the head dim as a constant (0: any, up to DMAX), so that a row's scores [TILE] and output [D]
-// stay in registers through the loops over d and over keys.
-constexpr int64_t DMAX = 256;
+// DC: the head dim as a constant (0: any, up to DMAX), so that the loops over it unroll and a row's
+// output stays in registers.
 
 template <int64_t DC>
 void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* acc,
@@ -193,14 +184,13 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
       const float keep = j < n ? 1.0f : 0.0f;
       for (int64_t d = 0; d < D; ++d) kt[d * TILE + j] = kj[d] * keep;
     }
-    // scores into p [R, TILE], two rows at a time where their registers fit
+    // scores into p [R, TILE]
     int64_t r0 = 0;
 #if SPARSEVID_AVX512
     for (; shared && r0 < R; ++r0) score_t512(qrow + r0 * D, kt, D, p + r0 * TILE);
 #endif
 #if SPARSEVID_AVX2
-    for (; avx && D <= 32 && r0 + 1 < R; r0 += 2) score_avx2<DC, 2>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
-    for (; avx && r0 < R; ++r0) score_avx2<DC, 1>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
+    for (; avx && r0 < R; ++r0) score_avx2<DC>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
 #endif
     for (; r0 < R; ++r0) {  // without AVX2: over the transposed tile
       float s[TILE] = {};
@@ -217,12 +207,14 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
       const int64_t g = r / a.Q, end = st + r % a.Q;  // the last entry row r sees
       const int64_t seen = std::min(n, end - j0 + 1);
       float* pr = p + r * TILE;
-      float s[TILE];
-      for (int64_t j = 0; j < TILE; ++j) s[j] = pr[j];
-      al[r] = 1.0f;  // a row with nothing (unmasked) in this tile keeps its output
+      al[r] = 1.0f;  // a row with nothing (unmasked) in this tile keeps its output: weights all zero
       sn[r] = 0;
-      for (int64_t j = 0; j < TILE; ++j) pr[j] = 0.0f;
-      if (seen <= 0) continue;
+      if (seen <= 0) {
+        std::fill(pr, pr + TILE, 0.0f);
+        continue;
+      }
+      float s[TILE];  // the scores in a local array (kept in registers: measured faster than in place)
+      for (int64_t j = 0; j < TILE; ++j) s[j] = pr[j];
       if (a.bias != nullptr) {
         const float* br = a.bias + b * a.bs[0] + h * a.bs[1] + g * a.bs[2] + j0 * a.bs[3];
         for (int64_t j = 0; j < seen; ++j) s[j] += br[j * a.bs[3]];
@@ -233,7 +225,10 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
         s[j] = j < seen ? s[j] : NEG;
         mt = std::max(mt, s[j]);
       }
-      if (mt == NEG) continue;  // everything seen so far is masked (a bias)
+      if (mt == NEG) {  // everything seen so far is masked (a bias)
+        std::fill(pr, pr + TILE, 0.0f);
+        continue;
+      }
       const float alpha = exp_neg(m[r] - mt);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
