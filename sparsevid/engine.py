@@ -540,27 +540,33 @@ class LayerSkipDraft:
 class GammaPlan:
     """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step), t_draft
     (a draft step), t_row (each extra token of a verification pass), each the median of its last
-    `window` readings (one slow reading on a noisy machine moves a median little; the first dense
-    step after prefill runs cold and is not kept), and the per-position
-    acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with the most
-    expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by 5 %.
-    The draft is first tried on `probe` tokens, and again after `reprobe` dense steps in a row, in
-    case acceptance has changed; each time a probe ends in dense steps again the wait doubles (up
-    to `max_wait`), so a run whose draft cannot pay costs about what dense costs. Rows decoded
-    together share each round: γ is best for the live rows' mean Ω over each row's own α (`rows`),
-    not for their pooled α (Ω is convex in α: rows accepting everything beside rows accepting
-    little want a longer γ than their pooled rate says). Lossless whatever it picks."""
+    `window` readings (one slow reading on a noisy machine moves a median little), and the
+    per-position acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with
+    the most expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by
+    5 %. The run starts with dense steps until their time has settled: the first steps after a
+    prefill run slower (measured: 3.2-4.5 ms falling to 1.6-2.5 ms over 3-6 steps at 4,608 visual
+    tokens), and a t_dense read there makes any draft look cheap. So at least `warm` dense steps,
+    more while the newest is 5 % below every earlier one (up to `warm_max`); a new low forgets the
+    readings before it. The draft is then tried on `probe` tokens, and again after `reprobe` dense
+    steps in a row, in case acceptance has changed; each time a probe ends in dense steps again the
+    wait doubles (up to `max_wait`), and it stops at once where the costs say that even a draft
+    whose every token is accepted cannot pay. So a run whose draft cannot pay costs about what dense
+    costs. Rows decoded together share each round: γ is best for the live rows' mean Ω over each
+    row's own α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside
+    rows accepting little want a longer γ than their pooled rate says). Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
-                 warm: int = 2, window: int = 9, max_wait: int = 256):
+                 warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
         self.wait, self.max_wait = reprobe, max_wait  # dense steps in a row before the next probe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
-        self.warm = warm  # dense steps measured before the first probe
+        self.warm, self.warm_max = warm, warm_max  # dense steps measured before the first probe
+        self.falling = True  # the newest dense step was a new low (the steps are still warming up)
         self.window = window
         self.dense_s: list[float] = []  # recent readings, newest last
         self.draft_s: list[float] = []
         self.row_s: list[float] = []
+        self.warm_s: list[float] = []  # every dense step's reading while warming up
         self.accepted = self.tested = self.dense_run = self.dense_steps = 0
         self.rows: dict[int, list[int]] = {}  # row -> [accepted, tested], where rows are decoded together
 
@@ -600,13 +606,14 @@ class GammaPlan:
             return g_max, "fixed"
         if self.draft_is_dense:
             return 0, "draft = dense"
-        if self.dense_steps < self.warm:
+        if self.dense_steps < self.warm or (self.falling and self.dense_steps < self.warm_max):
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
         g = best_gamma(self.alphas(live), g_max, self.t_draft, self.t_dense, self.t_row or 0.0)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay: wait longer next time
-            self.wait = min(2 * self.wait, self.max_wait)
+            hopeless = best_gamma(1.0, g_max, self.t_draft, self.t_dense, self.t_row or 0.0) == 0
+            self.wait = self.max_wait if hopeless else min(2 * self.wait, self.max_wait)
         elif g > 0:
             self.wait = self.reprobe
         return g, "best"
@@ -625,8 +632,12 @@ class GammaPlan:
         self.dense_run = self.dense_run + 1 if drafted == 0 else 0
         if drafted == 0:
             self.dense_steps += 1
-            if self.dense_steps > 1 or self.warm < 2:  # the first dense step after prefill runs cold
-                keep(self.dense_s, verify_s)
+            if self.dense_steps <= self.warm_max:  # warming up: a new low forgets the slower readings
+                self.falling = self.dense_steps == 1 or verify_s < 0.95 * min(self.warm_s)
+                self.warm_s.append(verify_s)
+                if self.falling:
+                    self.dense_s.clear()
+            keep(self.dense_s, verify_s)
             return
         keep(self.draft_s, draft_s / drafted)
         if self.t_dense is not None:

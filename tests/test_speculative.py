@@ -233,7 +233,7 @@ def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_o
     from sparsevid.metrics import best_gamma
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
-    for _ in range(3):
+    for _ in range(4):
         plan.observe(0, 0.0, 1.0, 0)  # dense steps: t_dense 1
     for _ in range(4):  # draft steps 0.3, each verified token 0.02; row 0 accepts all, row 1 none
         plan.observe(9, 9 * 0.3, 1.0 + 9 * 0.02, 9, 10, rows={0: (9, 9), 1: (0, 1)})
@@ -244,17 +244,22 @@ def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_o
     assert plan.choose(40, [1]) == (best_gamma(0.2, 9, 0.3, 1.0, 0.02), "best")  # row 1 left alone: its own
 
 
-def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
+def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense():
+    """The first dense steps after a prefill run slower and speed up over a few steps: the plan
+    measures until they settle and keeps only the settled readings, so a draft is weighed against
+    what a dense step really costs. A draft that does not pay is tried again later, ever more rarely;
+    one that cannot pay even if every token were accepted is not tried again."""
     from sparsevid.engine import GammaPlan
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3, probe=3)
-    assert plan.choose(40) == (0, "dense step")
-    plan.observe(0, 0.0, 1.5, 0)  # the first dense step after prefill runs cold: 1.5 s
-    assert plan.choose(40) == (0, "dense step")
-    plan.observe(0, 0.0, 1.0, 0)  # a dense step: 1.0 s, the fastest counts
-    assert plan.t_dense == 1.0
+    for t in (1.5, 1.5, 1.2, 1.0):  # warming up: still falling after `warm` = 4 steps
+        assert plan.choose(40) == (0, "dense step")
+        plan.observe(0, 0.0, t, 0)
+    assert plan.choose(40) == (0, "dense step") and plan.t_dense == 1.0  # the slower readings forgotten
+    plan.observe(0, 0.0, 1.02, 0)  # settled
+    assert plan.t_dense == pytest.approx(1.01)
     assert plan.choose(40) == (3, "probe")  # a short probe first
-    plan.observe(3, 3 * 1.0, 1.0 + 3 * 1.0, 3)  # draft steps as dear as dense steps, all accepted
+    plan.observe(3, 3 * 0.6, 1.0 + 3 * 0.1, 0)  # a dear draft (0.6 of a dense step), its first token rejected
     assert plan.choose(40) == (0, "best")
     for _ in range(3):
         plan.observe(0, 0.0, 1.0, 0)
@@ -262,12 +267,18 @@ def test_gamma_plan_measures_a_dense_step_probes_then_falls_back_to_dense():
     for _ in range(3):  # a probe that did not pay doubles the wait: 2 x `reprobe` dense steps
         plan.observe(0, 0.0, 1.0, 0)
     assert plan.choose(40) == (3, "probe")  # then it tries the draft again
-    plan.observe(3, 3 * 1.0, 1.0 + 3 * 1.0, 3)
+    plan.observe(3, 3 * 0.6, 1.0 + 3 * 0.1, 0)
     assert plan.choose(40) == (0, "best") and plan.wait == 12  # and waits twice as long again
     assert plan.choose(2)[0] <= 2  # never more than the room left
+    dear = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    for _ in range(4):
+        dear.observe(0, 0.0, 1.0, 0)
+    assert dear.choose(40) == (3, "probe")
+    dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)  # draft steps as dear as dense steps, all accepted
+    assert dear.choose(40) == (0, "best") and dear.wait == dear.max_wait  # hopeless: never again
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
-    cheap.observe(0, 0.0, 1.0, 0)
-    cheap.observe(0, 0.0, 1.0, 0)
+    for _ in range(4):
+        cheap.observe(0, 0.0, 1.0, 0)
     cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # a cheap draft, all accepted: the longest draft next
     assert cheap.choose(40) == (9, "best")
     assert GammaPlan(9, adaptive=False, draft_is_dense=True).choose(40) == (9, "fixed")
@@ -285,8 +296,8 @@ def test_gamma_plan_estimates_the_per_position_acceptance_of_a_simulated_draft()
 
     rng = random.Random(0)
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
-    plan.observe(0, 0.0, 1.0, 0)
-    plan.observe(0, 0.0, 1.0, 0)
+    for _ in range(4):
+        plan.observe(0, 0.0, 1.0, 0)
     proposed = accepted = 0
     for _ in range(400):
         a = 0
@@ -308,7 +319,7 @@ def test_gamma_plan_costs_hold_against_one_slow_reading():
     from sparsevid.engine import GammaPlan
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
-    for t in (3.0, 1.0, 1.0):  # the cold first dense step, then two dense steps
+    for t in (3.0, 1.0, 1.0, 1.0):  # the cold first dense step, then three dense steps
         plan.observe(0, 0.0, t, 0)
     assert plan.t_dense == 1.0
     for draft in (0.3, 0.3, 0.81, 0.3):  # one reading 2.7x the others
