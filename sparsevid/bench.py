@@ -574,7 +574,9 @@ def verify_kernels(args) -> int:
     the heads). Head shape: --shape's (default the embedded model's: Hkv 4, G 2, D 24).
     On CUDA also SDPA's flash kernel without any mask over exactly the entries read: the
     bandwidth a mask-free kernel reaches (not usable in a captured step: it takes no lengths); on
-    the CPU a plain sum over the same K and V (the memory bound of a step)."""
+    the CPU a plain sum over the same K and V (the memory bound of a step) and, for a verification,
+    the same two matmuls by the BLAS without the softmax (its arithmetic alone: a verification's γ + 1
+    rows make it compute-bound)."""
 
     from .models import pick_device
 
@@ -605,10 +607,15 @@ def verify_kernels(args) -> int:
                 ref = kernels.reference(q[:1, :G].cpu(), k[:1, :1, :n].cpu(), v[:1, :1, :n].cpu(),
                                         start[:1].cpu(), D ** -0.5)
                 nbytes = 2 * B * Hkv * n * D * k.element_size()
+                flops = 4 * B * Hkv * G * q_rows * n * D  # scores and outputs, a multiply and an add each
                 cands = {b: (lambda b=b: kernels.attend(q, k, v, start, D ** -0.5, which=b)) for b in backends}
                 kk, vv = k[:, :, :n], v[:, :, :n]
                 if dev.type != "cuda" and q_rows == 1:  # the memory bound: the same bytes read by a plain sum
                     cands["read K and V once (bound)"] = lambda: (kk.sum(), vv.sum())
+                if dev.type != "cuda" and q_rows > 1:  # the arithmetic alone: the same two matmuls by the BLAS
+                    qg = q.view(B, Hkv, G * q_rows, D)
+                    cands["the same matmuls, no softmax (BLAS)"] = lambda: torch.matmul(
+                        torch.matmul(qg, kk.transpose(-1, -2)), vv)
                 if dev.type == "cuda" and q_rows == 1:
                     cands["sdpa, no mask (ceiling)"] = lambda: F.scaled_dot_product_attention(
                         q, kk, vv, scale=D ** -0.5, enable_gqa=True)
@@ -620,20 +627,21 @@ def verify_kernels(args) -> int:
                     t = time_calls(fn, dev)
                     out = fn()
                     err = None
-                    if not name.startswith(("sdpa, no mask", "read K and V")):
+                    if not name.startswith(("sdpa, no mask", "read K and V", "the same matmuls")):
                         err = (out[:1, :, :G].double().cpu() - ref).abs().max().item()
                     rows.append(dict(batch=B, entries=n, rows=q_rows, kernel=name, ms=t * 1e3,
-                                     gb_s=nbytes / t / 1e9, max_error=err))
+                                     gb_s=nbytes / t / 1e9, gflop_s=flops / t / 1e9, max_error=err))
     where = f"{dev}, {str(dtype)[6:]}, {torch.get_num_threads()} threads" if dev.type != "cuda" else \
         f"{torch.cuda.get_device_name(dev)}, {str(dtype)[6:]}"
     if args.json:
         print(json.dumps(dict(device=where, heads=dict(Hkv=Hkv, G=G, D=D), rows=rows)))
         return 0
     print(f"one layer, {Hkv} KV heads x {G} query heads, D = {D}, {where}")
-    print(markdown_table(["batch", "entries", "rows per query head", "kernel", "ms", "GB/s of K and V",
+    print(markdown_table(["batch", "entries", "rows per query head", "kernel", "ms", "GB/s of K and V", "GFLOP/s",
                           "max error vs float64"],
                          [[str(r["batch"]), str(r["entries"]), str(r["rows"]), r["kernel"], f"{r['ms']:.3f}",
-                           f"{r['gb_s']:.1f}", "-" if r["max_error"] is None else f"{r['max_error']:.1e}"]
+                           f"{r['gb_s']:.1f}", "-" if r["kernel"].startswith("read") else f"{r['gflop_s']:.1f}",
+                           "-" if r["max_error"] is None else f"{r['max_error']:.1e}"]
                           for r in rows]))
     return 0
 

@@ -15,6 +15,7 @@ CASES = [
     (2, 4, 2, 5, 24, 300, [[200], [37]]),  # two sequences of different lengths, a verification
     (1, 1, 4, 3, 24, 70, [10]),  # one KV head
     (1, 4, 7, 10, 128, 700, [600]),  # the 7B heads, γ + 1 rows
+    (1, 2, 4, 4, 64, 900, [[850, 300]]),  # head dim 64, 16 rows per KV head
     (3, 2, 2, 2, 32, 2600, [[0], [5], [2590]]),  # many splits; a row that sees one entry
     (1, 4, 2, 3, 24, 400, [[390, 17, 0, 201]]),  # per-head lengths (a compact cache's K_h differ)
     (2, 2, 3, 1, 24, 300, [[5, 250], [299, 0]]),  # per sequence and head
@@ -115,12 +116,14 @@ def test_where_the_cpu_kernel_cannot_be_built_attention_falls_back_to_sdpa_and_s
     assert (out.double() - kernels.reference(query, k, v, start, 0.2)).abs().max() < 2e-6
 
 
-def test_the_cpu_kernel_gives_a_row_the_same_bits_in_a_step_a_verification_and_a_batch():
+@pytest.mark.parametrize("D", [24, 64, 128])
+def test_the_cpu_kernel_gives_a_row_the_same_bits_in_a_step_a_verification_and_a_batch(D):
     """A row's arithmetic depends only on the entries it sees: its output is bit-identical in a
     one-row step, as a row of a verification pass, and beside a longer sequence in a bigger buffer
-    (splits and tiles start at fixed key indices), so a lossless method's rows cannot drift from
-    dense steps in attention."""
-    (query, k, v), start, _ = inputs(2, 4, 2, 6, 24, 3000, [[1500], [2900]], "cpu")
+    (splits and tiles start at fixed key indices; a step's few rows and a verification's many take
+    different code with the same operations), so a lossless method's rows cannot drift from dense
+    steps in attention."""
+    (query, k, v), start, _ = inputs(2, 4, 2, 6, D, 3000, [[1500], [2900]], "cpu")
     verify = kernels.attend(query, k, v, start, 0.2, which="cpu")  # rows t = 0..5 of both sequences
     for t in range(6):
         step = kernels.attend(query[:1, :, t:t + 1], k[:1, :, :1600], v[:1, :, :1600], start[:1] + t, 0.2, which="cpu")

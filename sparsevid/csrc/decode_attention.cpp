@@ -13,6 +13,13 @@
 // row gives the same bits in a one-row step, in a verification pass of γ + 1 rows and in a batch (what
 // lossless speculative decoding needs). A masked entry contributes an exact zero.
 //
+// A step has few rows per KV head and reads its keys once (memory-bound); a verification's γ + 1 tokens
+// give 8 or more rows (compute-bound: a tile's scores, softmax and outputs cost ~8x its read). For those
+// the tile of K is transposed once (8 x 8 blocks) and scored four rows at a time with 16 keys per
+// vector, the softmax's exponentials run 16 lanes at a time (for every row count), and the outputs
+// take 16-lane vectors, several rows per V row loaded: per row the same operations in the same order
+// as a step's code, so the same bits (a test).
+//
 // Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -94,6 +101,31 @@ inline void score_avx2(const float* q, const float* kb, int64_t kstride, int64_t
   }
 }
 
+// kt [D, TILE] = the transpose of a whole tile of keys (rows kb + j * kstride, D floats each, D a
+// multiple of 8), in 8 x 8 blocks through registers: exact copies.
+inline void transpose_avx2(const float* kb, int64_t kstride, int64_t D, float* kt) {
+  for (int64_t j = 0; j < TILE; j += 8) {
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 r[8], t[8];
+      for (int u = 0; u < 8; ++u) r[u] = _mm256_loadu_ps(kb + (j + u) * kstride + c);
+      for (int u = 0; u < 8; u += 2) {
+        t[u] = _mm256_unpacklo_ps(r[u], r[u + 1]);
+        t[u + 1] = _mm256_unpackhi_ps(r[u], r[u + 1]);
+      }
+      for (int u = 0; u < 8; u += 4) {
+        r[u] = _mm256_shuffle_ps(t[u], t[u + 2], 0x44);
+        r[u + 1] = _mm256_shuffle_ps(t[u], t[u + 2], 0xEE);
+        r[u + 2] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0x44);
+        r[u + 3] = _mm256_shuffle_ps(t[u + 1], t[u + 3], 0xEE);
+      }
+      for (int u = 0; u < 4; ++u) {
+        _mm256_storeu_ps(kt + (c + u) * TILE + j, _mm256_permute2f128_ps(r[u], r[u + 4], 0x20));
+        _mm256_storeu_ps(kt + (c + u + 4) * TILE + j, _mm256_permute2f128_ps(r[u], r[u + 4], 0x31));
+      }
+    }
+  }
+}
+
 #if SPARSEVID_AVX2 && defined(__AVX512F__)
 #define SPARSEVID_AVX512 1
 // One row's scores over a transposed tile kt [D, TILE], 16 keys per vector: for many rows (a
@@ -111,6 +143,131 @@ inline void score_t512(const float* q, const float* kt, int64_t D, float* s) {
     }
     _mm512_storeu_ps(s + j, _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3])),
                                           _mm512_add_ps(_mm512_add_ps(t[4], t[5]), _mm512_add_ps(t[6], t[7]))));
+  }
+}
+
+// Lane l's chain of `score_t512` for four rows at once (q: four rows of D), each K vector loaded once.
+__attribute__((always_inline)) inline void chain4(const float* q, const float* kt, int64_t D, int64_t j, int l,
+                                                  __m512* t) {
+  const __m512 k0 = _mm512_loadu_ps(kt + l * TILE + j);
+  for (int i = 0; i < 4; ++i) t[i] = _mm512_mul_ps(_mm512_set1_ps(q[i * D + l]), k0);
+  for (int64_t c = 1; c < D / 8; ++c) {
+    const __m512 kc = _mm512_loadu_ps(kt + (8 * c + l) * TILE + j);
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 8 * c + l]), kc, t[i]);
+  }
+}
+
+// `score_t512` of four rows (s: four rows of TILE): the same operations in the same order, the same bits.
+inline void score_t512x4(const float* q, const float* kt, int64_t D, float* s) {
+  for (int64_t j = 0; j < TILE; j += 16) {
+    __m512 a[4], b[4], lo[4], hi[4];
+    chain4(q, kt, D, j, 0, a);
+    chain4(q, kt, D, j, 1, b);
+    for (int i = 0; i < 4; ++i) lo[i] = _mm512_add_ps(a[i], b[i]);
+    chain4(q, kt, D, j, 2, a);
+    chain4(q, kt, D, j, 3, b);
+    for (int i = 0; i < 4; ++i) lo[i] = _mm512_add_ps(lo[i], _mm512_add_ps(a[i], b[i]));
+    chain4(q, kt, D, j, 4, a);
+    chain4(q, kt, D, j, 5, b);
+    for (int i = 0; i < 4; ++i) hi[i] = _mm512_add_ps(a[i], b[i]);
+    chain4(q, kt, D, j, 6, a);
+    chain4(q, kt, D, j, 7, b);
+    for (int i = 0; i < 4; ++i)
+      _mm512_storeu_ps(s + i * TILE + j, _mm512_add_ps(lo[i], _mm512_add_ps(hi[i], _mm512_add_ps(a[i], b[i]))));
+  }
+}
+
+// `exp_neg` of 16 lanes: the same method, the power of two by `scalef`.
+inline __m512 exp_neg512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);  // not -inf, not NaN
+  x = _mm512_maskz_mov_ps(live, x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// One row's tile: s [TILE] its scores (its own up to `seen`), m its running max. Returns the tile's new
+// max (-inf: nothing unmasked yet, and then nothing written); p [TILE] = e^(s - max), zero past
+// `seen`; *sum their sum, in a fixed order.
+inline float softmax512(const float* s, int64_t seen, float m, float* p, float* sum) {
+  __m512 v[TILE / 16];
+  __m512 mx = _mm512_set1_ps(m);
+  for (int c = 0; c < TILE / 16; ++c) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, seen - 16 * c));
+    const __mmask16 in = static_cast<__mmask16>((1u << left) - 1u);
+    v[c] = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), in, s + 16 * c);
+    mx = _mm512_max_ps(mx, v[c]);
+  }
+  const float mt = _mm512_reduce_max_ps(mx);
+  if (mt == -std::numeric_limits<float>::infinity()) return mt;
+  const __m512 mv = _mm512_set1_ps(mt);
+  for (int c = 0; c < TILE / 16; ++c) {
+    v[c] = exp_neg512(_mm512_sub_ps(v[c], mv));
+    _mm512_storeu_ps(p + 16 * c, v[c]);
+  }
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])));
+  return mt;
+}
+
+// `accumulate_avx2` with a row's head dims in 16-lane vectors (and one 8-lane vector for a remainder
+// of 8): D = 24 takes two FMAs per key and row instead of three. Each output element gets the same
+// operations in the same order: the same bits. NB rows share each V row's loads.
+template <int64_t DC, int NB>
+inline void accumulate512(float* o, const float* alpha, const float* p, const float* v, int64_t vstride,
+                          int64_t seen) {
+  constexpr int Z = DC / 16, Y = (DC % 16) / 8;  // 16-lane and 8-lane vectors per row
+  __m512 a0[NB][Z > 0 ? Z : 1], a1[NB][Z > 0 ? Z : 1];
+  __m256 b0[NB], b1[NB];
+  for (int i = 0; i < NB; ++i) {
+    const __m512 al = _mm512_set1_ps(alpha[i]);
+    for (int z = 0; z < Z; ++z) {
+      a0[i][z] = _mm512_mul_ps(_mm512_loadu_ps(o + i * DC + 16 * z), al);
+      a1[i][z] = _mm512_setzero_ps();
+    }
+    if (Y) {
+      b0[i] = _mm256_mul_ps(_mm256_loadu_ps(o + i * DC + 16 * Z), _mm512_castps512_ps256(al));
+      b1[i] = _mm256_setzero_ps();
+    }
+  }
+  int64_t j = 0;
+  for (; j + 1 < seen; j += 2, v += 2 * vstride) {
+    for (int z = 0; z < Z; ++z) {
+      const __m512 v0 = _mm512_loadu_ps(v + 16 * z), v1 = _mm512_loadu_ps(v + vstride + 16 * z);
+      for (int i = 0; i < NB; ++i) {
+        a0[i][z] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * TILE + j]), v0, a0[i][z]);
+        a1[i][z] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * TILE + j + 1]), v1, a1[i][z]);
+      }
+    }
+    if (Y) {
+      const __m256 v0 = _mm256_loadu_ps(v + 16 * Z), v1 = _mm256_loadu_ps(v + vstride + 16 * Z);
+      for (int i = 0; i < NB; ++i) {
+        b0[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j]), v0, b0[i]);
+        b1[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j + 1]), v1, b1[i]);
+      }
+    }
+  }
+  if (j < seen) {
+    for (int z = 0; z < Z; ++z) {
+      const __m512 v0 = _mm512_loadu_ps(v + 16 * z);
+      for (int i = 0; i < NB; ++i) a0[i][z] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * TILE + j]), v0, a0[i][z]);
+    }
+    if (Y) {
+      const __m256 v0 = _mm256_loadu_ps(v + 16 * Z);
+      for (int i = 0; i < NB; ++i) b0[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j]), v0, b0[i]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    for (int z = 0; z < Z; ++z) _mm512_storeu_ps(o + i * DC + 16 * z, _mm512_add_ps(a0[i][z], a1[i][z]));
+    if (Y) _mm256_storeu_ps(o + i * DC + 16 * Z, _mm256_add_ps(b0[i], b1[i]));
   }
 }
 #else
@@ -179,6 +336,10 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
   const bool shared = SPARSEVID_AVX512 && avx && R >= 8;  // many rows: score over one transposed tile
   for (int64_t j0 = lo; j0 < hi; j0 += TILE) {
     const int64_t n = std::min(TILE, hi - j0);
+#if SPARSEVID_AVX2
+    if (shared && n == TILE) transpose_avx2(kb + j0 * a.ks[2], a.ks[2], D, kt);
+    else
+#endif
     for (int64_t j = 0; j < TILE && (!avx || shared); ++j) {  // K tile transposed, kt [D, TILE] (zero past the keys)
       const float* kj = kb + (j0 + std::min(j, n - 1)) * a.ks[2];
       const float keep = j < n ? 1.0f : 0.0f;
@@ -187,6 +348,7 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
     // scores into p [R, TILE]
     int64_t r0 = 0;
 #if SPARSEVID_AVX512
+    for (; shared && r0 + 3 < R; r0 += 4) score_t512x4(qrow + r0 * D, kt, D, p + r0 * TILE);
     for (; shared && r0 < R; ++r0) score_t512(qrow + r0 * D, kt, D, p + r0 * TILE);
 #endif
 #if SPARSEVID_AVX2
@@ -219,31 +381,45 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
         const float* br = a.bias + b * a.bs[0] + h * a.bs[1] + g * a.bs[2] + j0 * a.bs[3];
         for (int64_t j = 0; j < seen; ++j) s[j] += br[j * a.bs[3]];
       }
+      float sum = 0.0f;
+#if SPARSEVID_AVX512
+      const float mt = softmax512(s, seen, m[r], pr, &sum);
+#else
       float mt = m[r];
 #pragma omp simd reduction(max : mt)
       for (int64_t j = 0; j < TILE; ++j) {
         s[j] = j < seen ? s[j] : NEG;
         mt = std::max(mt, s[j]);
       }
+#endif
       if (mt == NEG) {  // everything seen so far is masked (a bias)
         std::fill(pr, pr + TILE, 0.0f);
         continue;
       }
       const float alpha = exp_neg(m[r] - mt);
-      float sum = 0.0f;
+#if !SPARSEVID_AVX512
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < TILE; ++j) {
         pr[j] = exp_neg(s[j] - mt);
         sum += pr[j];
       }
+#endif
       m[r] = mt;
       l[r] = l[r] * alpha + sum;
       al[r] = alpha;
       sn[r] = seen;
     }
-    // the output rows, two at a time where a pair's accumulators fit in registers
+    // the output rows, several at a time where their accumulators fit in registers
     const float* vt = vb + j0 * a.vs[2];
     int64_t r = 0;
+#if SPARSEVID_AVX512
+    if constexpr (DC == 24 || DC == 64 || DC == 128) {  // 16-lane outputs, NB rows per V row loaded
+      constexpr int NB = DC == 24 ? 4 : DC == 64 ? 2 : 1;  // their accumulators fill 16 registers
+      for (; r + NB - 1 < R; r += NB)
+        accumulate512<DC, NB>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], *std::max_element(sn + r, sn + r + NB));
+      for (; r < R; ++r) accumulate512<DC, 1>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], sn[r]);
+    }
+#endif
 #if SPARSEVID_AVX2
     for (; avx && D <= 32 && r + 1 < R; r += 2)
       accumulate_avx2<DC, 2>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], std::max(sn[r], sn[r + 1]), D);
