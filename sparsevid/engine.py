@@ -544,10 +544,10 @@ class GammaPlan:
     per-position acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with
     the most expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by
     5 %. The run starts with dense steps until their time has settled: the first steps after a
-    prefill run slower (measured: 3.2-4.5 ms falling to 1.6-2.5 ms over 3-6 steps at 4,608 visual
-    tokens), and a t_dense read there makes any draft look cheap. So at least `warm` dense steps,
-    more while the newest is 5 % below every earlier one (up to `warm_max`); a new low forgets the
-    readings before it. The draft is then tried on `probe` tokens, and again after `reprobe` dense
+    prefill run slower (measured: 3.2-4.9 ms falling to 1.6-2.9 ms over 4-10 steps at 4,608 and 9,216
+    visual tokens), and a t_dense read there makes any draft look cheap. So at least `warm` dense
+    steps, more while the fastest of the last three is 5 % below every earlier one (up to
+    `warm_max`), and t_dense starts from the last three. The draft is then tried on `probe` tokens, and again after `reprobe` dense
     steps in a row, in case acceptance has changed; each time a probe ends in dense steps again the
     wait doubles (up to `max_wait`), and it stops at once where the costs say that even a draft
     whose every token is accepted cannot pay. So a run whose draft cannot pay costs about what dense
@@ -561,7 +561,7 @@ class GammaPlan:
         self.wait, self.max_wait = reprobe, max_wait  # dense steps in a row before the next probe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
         self.warm, self.warm_max = warm, warm_max  # dense steps measured before the first probe
-        self.falling = True  # the newest dense step was a new low (the steps are still warming up)
+        self.falling = True  # the last dense steps were still getting faster (warming up)
         self.window = window
         self.dense_s: list[float] = []  # recent readings, newest last
         self.draft_s: list[float] = []
@@ -572,6 +572,11 @@ class GammaPlan:
 
     def _median(self, xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
+
+    @property
+    def warming(self) -> bool:
+        """Still measuring dense steps before the first probe (their time has not settled yet)."""
+        return self.dense_steps < self.warm or (self.falling and self.dense_steps < self.warm_max)
 
     @property
     def t_dense(self) -> float | None:
@@ -606,7 +611,7 @@ class GammaPlan:
             return g_max, "fixed"
         if self.draft_is_dense:
             return 0, "draft = dense"
-        if self.dense_steps < self.warm or (self.falling and self.dense_steps < self.warm_max):
+        if self.warming:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
@@ -631,13 +636,14 @@ class GammaPlan:
 
         self.dense_run = self.dense_run + 1 if drafted == 0 else 0
         if drafted == 0:
+            if self.warming:  # only the last three readings count
+                w = self.warm_s
+                w.append(verify_s)
+                self.falling = len(w) <= 3 or min(w[-3:]) < 0.95 * min(w[:-3])
+                self.dense_s[:] = w[-3:]
+            else:
+                keep(self.dense_s, verify_s)
             self.dense_steps += 1
-            if self.dense_steps <= self.warm_max:  # warming up: a new low forgets the slower readings
-                self.falling = self.dense_steps == 1 or verify_s < 0.95 * min(self.warm_s)
-                self.warm_s.append(verify_s)
-                if self.falling:
-                    self.dense_s.clear()
-            keep(self.dense_s, verify_s)
             return
         keep(self.draft_s, draft_s / drafted)
         if self.t_dense is not None:

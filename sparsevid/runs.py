@@ -158,6 +158,14 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     return loaded.threads_note
 
 
+def drafting(settings: dict | None) -> dict:
+    """`settings` for a warm-up run: adaptive γ off, so that a speculative method drafts and verifies
+    from its first round. Adaptive γ first measures dense steps until their time settles (up to
+    `GammaPlan.warm_max`), so a short warm-up run could end before its draft ran and leave the
+    draft's and the verification's graphs to be compiled or captured in a timed run."""
+    return {**(settings or {}), "adaptive_gamma": "off"}
+
+
 def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict | None, max_new_tokens: int,
               on_token: Callable[[int, int], None] | None = None) -> None:
     """`warm_up` for a batch of len(inputs) rows: where batches step through graphs (CUDA: one
@@ -172,7 +180,8 @@ def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict |
     if key in fast.warmed:
         return
     for name in dict.fromkeys(["dense", *names]):
-        run_rows(loaded, inputs, name, settings, 8, Sampling(ignore_eos=True), on_token, capacity_tokens=max_new_tokens)
+        run_rows(loaded, inputs, name, drafting(settings), 8, Sampling(ignore_eos=True), on_token,
+                 capacity_tokens=max_new_tokens)
     fast.warmed.add(key)
 
 
@@ -199,8 +208,8 @@ def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_token
         with lock:
             fast.enabled = True
             t0 = time.perf_counter()
-            for _ in range(2):  # a second run: another γ, another length
-                run_method(loaded, inputs, name, settings, max_new_tokens, sampling, capacity_tokens=capacity_tokens)
+            for warm in (drafting(settings), settings):  # a second run: another γ, another length
+                run_method(loaded, inputs, name, warm, max_new_tokens, sampling, capacity_tokens=capacity_tokens)
             took += time.perf_counter() - t0
             failed = not fast.enabled  # compilation failed: `message` says why
             fast.enabled = False
@@ -278,7 +287,8 @@ def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None]
         compile_steps(loaded, inputs, names, settings, capacity_tokens=max_new_tokens)
     elif fast is not None and fast.enabled and _warm_key(inputs, names, settings, max_new_tokens) not in fast.warmed:
         for name in dict.fromkeys(["dense", *names]):
-            run_method(loaded, inputs, name, settings, 8, Sampling(ignore_eos=True), capacity_tokens=max_new_tokens)
+            run_method(loaded, inputs, name, drafting(settings), 8, Sampling(ignore_eos=True),
+                       capacity_tokens=max_new_tokens)
         fast.warmed.add(_warm_key(inputs, names, settings, max_new_tokens))
     decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token,
            capacity_tokens=max_new_tokens)

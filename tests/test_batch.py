@@ -69,12 +69,13 @@ def test_every_method_batched_equals_its_one_row_runs(ragged, arch, monkeypatch)
                 assert all(np.array_equal(x, y) for layer in a.layers for x, y in
                            zip(a.layers[layer].kept, b.layers[layer].kept))
     # a draft close to dense (90 % of the visual tokens): rows accept different numbers of tokens
-    one = [runs.run_method(loaded, x, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12) for x in inputs]
-    batch = runs.run_rows(loaded, inputs, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12)
+    close = {"k": "0.9", "gamma": "3", "adaptive_gamma": "off"}  # drafting from the first round
+    one = [runs.run_method(loaded, x, "std", close, max_new_tokens=12) for x in inputs]
+    batch = runs.run_rows(loaded, inputs, "std", close, max_new_tokens=12)
     assert [t.token_ids for t in batch] == [t.token_ids for t in one]
     assert len({r.accepted for t in batch for r in t.rounds}) >= 2
     events = []  # two at a time: row 2 is prefilled while row 1 still decodes
-    flowing = runs.run_rows(loaded, inputs, "std", {"k": "0.9", "gamma": "3"}, max_new_tokens=12, width=2,
+    flowing = runs.run_rows(loaded, inputs, "std", close, max_new_tokens=12, width=2,
                             on_token=lambda b, t: events.append(b))
     rows = "".join(map(str, events))
     assert [t.token_ids for t in flowing] == [t.token_ids for t in one]
@@ -179,16 +180,16 @@ def test_batched_speculative_sampling_matches_dense_distribution(tiny_loaded, fr
     inputs = loaded.adapter.build_inputs(frames, "what colour is the moving object ?")
     s = Sampling(temperature=1.0, top_p=0.9, ignore_eos=True)
     n, length, rows = 300, 7, 10
+    fixed = {"k": "0.1", "gamma": "1", "adaptive_gamma": "off"}  # adaptive γ follows timings: so would the draws
     dense = [engine.decode(loaded, inputs, max_new_tokens=length, sampling=dataclasses.replace(s, seed=i)).token_ids
              for i in range(n)]
     spec = []
     for i in range(0, n, rows):
         seeds = list(range(10_000 + i, 10_000 + i + rows))
-        batch = runs.run_rows(loaded, [inputs] * rows, "std", {"k": "0.1", "gamma": "1"}, max_new_tokens=length,
-                              sampling=s, seeds=seeds)
+        batch = runs.run_rows(loaded, [inputs] * rows, "std", fixed, max_new_tokens=length, sampling=s, seeds=seeds)
         spec += [t.token_ids for t in batch]
         if i == 0:
-            one = runs.run_method(loaded, inputs, "std", {"k": "0.1", "gamma": "1"}, max_new_tokens=length,
+            one = runs.run_method(loaded, inputs, "std", fixed, max_new_tokens=length,
                                   sampling=dataclasses.replace(s, seed=seeds[3]))
             assert one.token_ids == spec[3]
     for pos in range(1, length):

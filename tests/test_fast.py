@@ -245,8 +245,10 @@ def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2", "--device", "cpu"]) == 0
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     bound = [r for r in rows if r[3].startswith("read K and V")]  # the memory bound of a step, per batch
-    rows = [r for r in rows if r not in bound]
+    blas = [r for r in rows if r[3].startswith("the same matmuls")]  # a verification's arithmetic alone
+    rows = [r for r in rows if r not in bound + blas]
     assert len(bound) == 2 and all(float(r[5]) > 0 for r in bound)
+    assert len(blas) == 2 and all(r[2] == "10" and float(r[6]) > 0 for r in blas)
     assert len(rows) == 8 and {r[3] for r in rows} == {"sdpa", "cpu"}  # the CPU's backends; 1 and γ + 1 rows, 2 batches
     assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # exact attention
 

@@ -252,11 +252,12 @@ def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense
     from sparsevid.engine import GammaPlan
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3, probe=3)
-    for t in (1.5, 1.5, 1.2, 1.0):  # warming up: still falling after `warm` = 4 steps
+    for t in (1.5, 1.5, 1.2, 1.0, 1.01, 0.99):  # warming up: the fastest of the last three still 5 % below
         assert plan.choose(40) == (0, "dense step")
         plan.observe(0, 0.0, t, 0)
-    assert plan.choose(40) == (0, "dense step") and plan.t_dense == 1.0  # the slower readings forgotten
-    plan.observe(0, 0.0, 1.02, 0)  # settled
+    assert plan.t_dense == 1.0  # the last three
+    assert plan.choose(40) == (0, "dense step")  # 1.0 of the last three against 1.2 before them
+    plan.observe(0, 0.0, 1.02, 0)  # settled: 0.99 against 1.0 before
     assert plan.t_dense == pytest.approx(1.01)
     assert plan.choose(40) == (3, "probe")  # a short probe first
     plan.observe(3, 3 * 0.6, 1.0 + 3 * 0.1, 0)  # a dear draft (0.6 of a dense step), its first token rejected
@@ -319,7 +320,7 @@ def test_gamma_plan_costs_hold_against_one_slow_reading():
     from sparsevid.engine import GammaPlan
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
-    for t in (3.0, 1.0, 1.0, 1.0):  # the cold first dense step, then three dense steps
+    for t in (3.0, 1.0, 1.0, 1.0, 1.0):  # the cold first dense step, then four dense steps
         plan.observe(0, 0.0, t, 0)
     assert plan.t_dense == 1.0
     for draft in (0.3, 0.3, 0.81, 0.3):  # one reading 2.7x the others
