@@ -227,8 +227,8 @@ def test_a_batch_bound_shares_one_gamma_across_rows():
 
 def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_one():
     """Rows decoded together share a round's γ: one row accepting every draft token beside one
-    accepting one in five gets more from γ = 9 (mean Ω 6.1 over 3.9 dense steps) than the pooled
-    α = 0.90 suggests (γ = 5); a row left alone takes its own α."""
+    accepting none gets more from a longer γ (6: their mean Ω over each row's own α, 37/38 and 1/6 by
+    Laplace's rule) than the pooled α = 37/42 suggests (4); a row left alone takes its own α."""
     from sparsevid.engine import GammaPlan
     from sparsevid.metrics import best_gamma
 
@@ -237,11 +237,11 @@ def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_o
         plan.observe(0, 0.0, 1.0, 0)  # dense steps: t_dense 1
     for _ in range(4):  # draft steps 0.3, each verified token 0.02; row 0 accepts all, row 1 none
         plan.observe(9, 9 * 0.3, 1.0 + 9 * 0.02, 9, 10, rows={0: (9, 9), 1: (0, 1)})
-    assert plan.alphas([0, 1]) == pytest.approx([1.0, 0.2])
-    assert best_gamma(plan.alpha, 9, 0.3, 1.0, 0.02) == 5
-    assert plan.choose(40, [0, 1]) == (9, "best")
-    assert plan.choose(40) == (5, "best")  # without rows: the pooled α
-    assert plan.choose(40, [1]) == (best_gamma(0.2, 9, 0.3, 1.0, 0.02), "best")  # row 1 left alone: its own
+    assert plan.alphas([0, 1]) == pytest.approx([37 / 38, 1 / 6])
+    assert plan.alpha == pytest.approx(37 / 42) and best_gamma(plan.alpha, 9, 0.3, 1.0, 0.02) == 4
+    assert plan.choose(40, [0, 1]) == (6, "best")
+    assert plan.choose(40) == (4, "best")  # without rows: the pooled α
+    assert plan.choose(40, [1]) == (best_gamma(1 / 6, 9, 0.3, 1.0, 0.02), "best")  # row 1 left alone: its own
 
 
 def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense():
@@ -280,8 +280,8 @@ def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
     for _ in range(4):
         cheap.observe(0, 0.0, 1.0, 0)
-    cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # a cheap draft, all accepted: the longest draft next
-    assert cheap.choose(40) == (9, "best")
+    cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # a cheap draft, all accepted (α 4/5 by Laplace's rule)
+    assert cheap.choose(40) == (5, "best")  # a long draft next
     assert GammaPlan(9, adaptive=False, draft_is_dense=True).choose(40) == (9, "fixed")
     assert GammaPlan(9, adaptive=True, draft_is_dense=True).choose(40) == (0, "draft = dense")
 
@@ -318,6 +318,7 @@ def test_gamma_plan_costs_hold_against_one_slow_reading():
     """On a noisy machine one slow draft step (2.7x the others) must not switch a run to dense steps:
     the costs are medians of recent readings."""
     from sparsevid.engine import GammaPlan
+    from sparsevid.metrics import best_gamma
 
     plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
     for t in (3.0, 1.0, 1.0, 1.0, 1.0):  # the cold first dense step, then four dense steps
@@ -325,7 +326,8 @@ def test_gamma_plan_costs_hold_against_one_slow_reading():
     assert plan.t_dense == 1.0
     for draft in (0.3, 0.3, 0.81, 0.3):  # one reading 2.7x the others
         plan.observe(9, 9 * draft, 1.1, 9)
-        assert plan.choose(40) == (9, "best"), draft
+        g = best_gamma(plan.alpha, 9, 0.3, 1.0, 0.1 / 9)  # as if every draft step took 0.3
+        assert g > 0 and plan.choose(40) == (g, "best"), draft
     assert plan.t_draft == 0.3
 
 
