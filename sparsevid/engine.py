@@ -541,19 +541,23 @@ class GammaPlan:
     """Each round's γ from the run's own measured costs (adaptive γ): t_dense (a dense step), t_draft
     (a draft step), t_row (each extra token of a verification pass), each the median of its last
     `window` readings (one slow reading on a noisy machine moves a median little), and the
-    per-position acceptance α (`metrics.position_acceptance`); `metrics.best_gamma` picks the γ with
-    the most expected tokens per second, 0 (a plain dense step) when speculation cannot beat dense by
-    5 %. The run starts with dense steps until their time has settled: the first steps after a
-    prefill run slower (measured: 3.2-4.9 ms falling to 1.6-2.9 ms over 4-10 steps at 4,608 and 9,216
-    visual tokens), and a t_dense read there makes any draft look cheap. So at least `warm` dense
-    steps, more while the fastest of the last three is 5 % below every earlier one (up to
-    `warm_max`), and t_dense starts from the last three. The draft is then tried on `probe` tokens, and again after `reprobe` dense
-    steps in a row, in case acceptance has changed; each time a probe ends in dense steps again the
-    wait doubles (up to `max_wait`), and it stops at once where the costs say that even a draft
-    whose every token is accepted cannot pay. So a run whose draft cannot pay costs about what dense
-    costs. Rows decoded together share each round: γ is best for the live rows' mean Ω over each
-    row's own α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside
-    rows accepting little want a longer γ than their pooled rate says). Lossless whatever it picks."""
+    per-position acceptance α (`alpha`: Laplace's rule over the positions tested);
+    `metrics.best_gamma` picks the γ with the most expected tokens per second, 0 (a plain dense step)
+    when speculation cannot beat dense by 5 %.
+
+    The run starts with dense steps until their time has settled: the first steps after a prefill
+    run slower (measured: 3.2-4.9 ms falling to 1.6-2.9 ms over 4-10 steps at 4,608 and 9,216 visual
+    tokens), and a t_dense read there makes any draft look cheap. So at least `warm` dense steps,
+    more while the fastest of the last three is 5 % below every earlier one (up to `warm_max`), and
+    t_dense starts from the last three. The draft is then tried on `probe` tokens, and again after
+    `reprobe` dense steps in a row, in case acceptance has changed; each time a probe ends in dense
+    steps again the wait doubles (up to `max_wait`), and it stops at once where the costs say that
+    even a draft whose every token is accepted cannot pay. So a run whose draft cannot pay costs
+    about what dense costs.
+
+    Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
+    α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows
+    accepting little want a longer γ than their pooled rate says). Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
                  warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256):
