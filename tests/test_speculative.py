@@ -286,6 +286,32 @@ def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense
     assert GammaPlan(9, adaptive=True, draft_is_dense=True).choose(40) == (0, "draft = dense")
 
 
+def test_gamma_plan_probes_again_at_once_while_the_draft_is_accepted_in_full():
+    """A probe accepted in full leaves α at 4/5 by Laplace's rule: too short, with these costs, to
+    pay. Rather than wait (and on a 48-token answer never draft), the plan probes again at once while
+    nothing is rejected, until α pays; a probe that rejects a token doubles the wait as before."""
+    from sparsevid.engine import GammaPlan
+
+    plan = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3, probe=3)
+    for _ in range(4):
+        plan.observe(0, 0.0, 1.0, 0)
+    assert plan.choose(40) == (3, "probe")
+    full = (3, 3 * 0.5, 1.0 + 3 * 0.3, 3)  # draft steps half a dense step, every token accepted
+    plan.observe(*full)
+    assert plan.alpha == pytest.approx(0.8) and plan.choose(40) == (3, "probe")  # again, at once
+    plan.observe(*full)
+    assert plan.choose(40) == (3, "probe")  # α 7/8: not yet
+    plan.observe(*full)
+    assert plan.choose(40) == (1, "best")  # α 10/11 pays
+    plan.observe(3, 3 * 0.5, 1.0 + 3 * 0.3, 1)  # a rejection (α 11/15): dense steps, the wait doubles
+    assert plan.choose(40) == (0, "best") and plan.wait == 6
+    batch = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, reprobe=3, probe=3)
+    for _ in range(4):
+        batch.observe(0, 0.0, 1.0, 0)
+    batch.observe(3, 3 * 0.5, 1.0 + 3 * 0.3, 5, 6, rows={0: (3, 3), 1: (2, 3)})  # one row rejected
+    assert batch.choose(40, [0, 1]) == (0, "best") and batch.wait == 6
+
+
 def test_gamma_plan_estimates_the_per_position_acceptance_of_a_simulated_draft():
     """A draft whose every token is accepted with probability 0.8 (independently), drafting 9 per
     round: the plan's α converges to 0.8 (accepted / positions tested), not to accepted / proposed
