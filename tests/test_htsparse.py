@@ -206,6 +206,22 @@ def test_routed_attention_over_several_row_blocks_matches_the_reference():
     assert out[0, : int(sel[0]), 2:].eq(0).all()
 
 
+def test_routed_attention_of_groups_that_are_not_neighbours_matches_the_reference():
+    """Two sparse groups with the same positions around a full one (query heads 0-1 and 4-5 read the
+    same subset): they are computed as two runs of heads, and every row of every head equals the
+    float64 reference, in the layout transformers gives (positions major, heads a stride)."""
+    from sparsevid.routing import ROW_BLOCK
+
+    torch.manual_seed(2)
+    H, Hkv, m, D = 6, 3, ROW_BLOCK + 61, 8
+    q = torch.randn(1, m, H, D).transpose(1, 2)  # [1, H, m, D] with the strides of a projection's output
+    k, v = torch.randn(1, m, Hkv, D).transpose(1, 2), torch.randn(1, m, Hkv, D).transpose(1, 2)
+    sel = torch.cat([torch.arange(5), (torch.randperm(m - 5)[: m // 2] + 5).sort().values])
+    keep = [sel, torch.arange(m), sel]
+    out = routed_attention(q, k, v, D ** -0.5, keep)
+    assert torch.allclose(out.double(), masked_reference(q, k, v, D ** -0.5, keep), atol=1e-5)
+
+
 # --- on the tiny model ----------------------------------------------------------------------------
 
 
