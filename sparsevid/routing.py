@@ -14,9 +14,10 @@ over its positions `<= t` only:
   1.3-2x dense's causal attention on a CPU at n = 0.5-0.9 m, this way 0.8-1.3x;
 - dropped heads compute nothing and output 0.
 
-Heads that read the same positions share one SDPA call: with whole-GQA-group roles a layer makes one
-call for its full groups and one for its sparse groups (GQA form, K/V not repeated); mixed groups
-(per-head roles) fall back to one call per set of positions with K/V repeated for its heads.
+Heads that read the same positions share their SDPA calls: with whole-GQA-group roles, one per run
+of consecutive groups that read the same positions (views of the projections, GQA form, K/V not
+repeated: sparse groups 0, 1 and 3 around a full group 2 make calls for groups 0-1, 3 and 2); mixed
+groups (per-head roles) fall back to one call per set of positions with K/V repeated for its heads.
 
 A row sees kept positions `<= t` only, its own position included only when it is kept: row `t`
 reads exactly what a decode step at position `t` would read from the layer's compact cache, so the
