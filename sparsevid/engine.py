@@ -206,9 +206,7 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
             c.mode = mode
     dev = loaded.device
     fast = loaded.fast
-    rows = max(len(f) for f in feeds)
-    if pad_to and fast is not None and fast.enabled and dev.type == "cuda":
-        rows = max(rows, pad_to)
+    rows = max(max(len(f) for f in feeds), padded_rows(loaded, pad_to) or 0)
     idle = _idle_rows(caches)
     slot = list(range(len(runs))) if idle is None else idle[1]  # each run's row of the step
     B = len(runs) if idle is None else len(idle[0].caches)
@@ -243,6 +241,13 @@ def step_rows(loaded: Loaded, runs: list[Run], feeds: list[list[int]], mode: str
     for c, f in zip(caches, feeds):
         c.advance(len(f))
     return [logits[b, :len(f)] for b, f in zip(slot, feeds)]
+
+
+def padded_rows(loaded: Loaded, pad_to: int | None) -> int | None:
+    """The rows every verification pass computes where captured graphs pad it to `pad_to` (CUDA with
+    `loaded.fast` enabled: one graph serves every γ), else None (a pass computes the rows it is fed)."""
+    fast = loaded.fast
+    return pad_to if pad_to and fast is not None and fast.enabled and loaded.device.type == "cuda" else None
 
 
 def _idle_rows(caches: list) -> tuple | None:
@@ -560,11 +565,15 @@ class GammaPlan:
 
     Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
     α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows
-    accepting little want a longer γ than their pooled rate says). Lossless whatever it picks."""
+    accepting little want a longer γ than their pooled rate says). Where captured graphs pad every
+    verification to γ_max + 1 rows (`padded`), a pass costs the same for every γ, and t_row is its
+    cost over the padded rows, not over the tokens drafted (a 3-token probe in a 10-row pass would
+    otherwise read three times the cost per row). Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
-                 warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256):
+                 warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256, padded: int | None = None):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
+        self.padded = padded  # rows every verification computes (`padded_rows`), else None
         self.wait, self.max_wait = reprobe, max_wait  # dense steps in a row before the next probe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
         self.warm, self.warm_max = warm, warm_max  # dense steps measured before the first probe
@@ -625,9 +634,10 @@ class GammaPlan:
             return 0, "dense step"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
-        g = best_gamma(self.alphas(live), g_max, self.t_draft, self.t_dense, self.t_row or 0.0)
+        costs = (self.t_draft, self.t_dense, self.t_row or 0.0)
+        g = best_gamma(self.alphas(live), g_max, *costs, padded=self.padded)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay yet
-            if best_gamma(1.0, g_max, self.t_draft, self.t_dense, self.t_row or 0.0) == 0:
+            if best_gamma(1.0, g_max, *costs, padded=self.padded) == 0:
                 self.wait = self.max_wait  # hopeless: not even a draft accepted in full could pay
             elif self.full:  # nothing rejected: evidence is still short, so probe again at once
                 return min(self.probe, g_max), "probe"
@@ -660,8 +670,8 @@ class GammaPlan:
             self.dense_steps += 1
             return
         keep(self.draft_s, draft_s / drafted)
-        if self.t_dense is not None:
-            keep(self.row_s, max(0.0, verify_s - self.t_dense) / drafted)
+        if self.t_dense is not None:  # a padded pass computed padded - 1 rows besides dense's one
+            keep(self.row_s, max(0.0, verify_s - self.t_dense) / (self.padded - 1 if self.padded else drafted))
         tested = accepted + (accepted < drafted) if tested is None else tested
         self.full = accepted == tested if rows is None else all(a == t for a, t in rows.values())
         self.accepted += accepted
@@ -733,7 +743,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                                                    draft.policy, store_dense=True, copy_all=not refresh),
                  sampling, seeds, on_token, max_new_tokens, width, begin=begin, finish=finish)
     runs, outs, gens = rows.runs, rows.outs, rows.gens
-    plan = GammaPlan(gamma, adaptive, draft_is_dense=False)
+    plan = GammaPlan(gamma, adaptive, draft_is_dense=False, padded=padded_rows(loaded, gamma + 1))
     live = rows.admit()
     while live:
         plan.draft_is_dense = all(keeps_all[b] for b in live)

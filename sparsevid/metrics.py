@@ -104,14 +104,16 @@ def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
 
 
 def best_gamma(alpha: float | list[float], gamma_max: int, t_draft: float, t_dense: float, t_row: float,
-               margin: float = 0.05) -> int:
+               margin: float = 0.05, padded: int | None = None) -> int:
     """The γ in [0, gamma_max] with the most expected tokens per second: Ω(α, γ) tokens per round of
     γ draft steps (t_draft each) and one verification of γ + 1 tokens (t_dense + γ·t_row); γ = 0 is a
     plain dense step (one token per t_dense). A list of α: rows decoded together (`speculative_bound`).
-    Speculation must beat dense by `margin` (the costs are measured, and a step's time varies by a
-    few % between steps), else 0."""
+    `padded`: every verification computes that many rows whatever γ (captured CUDA graphs: one graph
+    serves every γ), so it costs t_dense + (padded - 1)·t_row. Speculation must beat dense by
+    `margin` (the costs are measured, and a step's time varies by a few % between steps), else 0."""
     def rate(g: int) -> float:
-        return speculative_bound(alpha, g, t_draft, t_dense + g * t_row)
+        rows = g if not padded or g == 0 else padded - 1
+        return speculative_bound(alpha, g, t_draft, t_dense + rows * t_row)
 
     best = max(range(gamma_max + 1), key=lambda g: (rate(g), -g))
     return best if rate(best) >= (1 + margin) * rate(0) else 0

@@ -312,6 +312,24 @@ def test_gamma_plan_probes_again_at_once_while_the_draft_is_accepted_in_full():
     assert batch.choose(40, [0, 1]) == (0, "best") and batch.wait == 6
 
 
+def test_gamma_plan_with_padded_verifications_reads_the_cost_per_padded_row(tiny_loaded):
+    """Captured CUDA graphs pad every verification to γ_max + 1 = 10 rows: a 3-token probe's pass
+    costs 1.0 + 9 x 0.1 dense steps. A plan told so reads t_row 0.1 (not 0.3, the pass over the three
+    tokens drafted) and, a pass costing the same for every γ, drafts longer: γ 5 at α 4/5, where the
+    per-token reading gives 1. On the CPU nothing is padded."""
+    from sparsevid.engine import GammaPlan, padded_rows
+
+    plans = {}
+    for padded in (10, None):
+        plan = plans[padded] = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, padded=padded)
+        for _ in range(4):
+            plan.observe(0, 0.0, 1.0, 0)
+        plan.observe(3, 3 * 0.3, 1.0 + 9 * 0.1, 3)
+    assert plans[10].t_row == pytest.approx(0.1) and plans[None].t_row == pytest.approx(0.3)
+    assert plans[10].choose(40) == (5, "best") and plans[None].choose(40) == (1, "best")
+    assert padded_rows(tiny_loaded("qwen2_vl"), 10) is None
+
+
 def test_gamma_plan_estimates_the_per_position_acceptance_of_a_simulated_draft():
     """A draft whose every token is accepted with probability 0.8 (independently), drafting 9 per
     round: the plan's α converges to 0.8 (accepted / positions tested), not to accepted / proposed
