@@ -19,7 +19,7 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
              HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
-    b = bh // Hkv
+    b = (bh // Hkv).to(tl.int64)  # offsets past 2^31 elements (a batch of long buffers) stay exact
     h = bh % Hkv
     start = tl.load(Start + bh)  # Start [B, Hkv], contiguous
     end = start + q_len  # entries 0 .. end - 1 exist for some row
@@ -77,7 +77,7 @@ def combine(O_part, L_part, Out, so_b, so_h, so_s, so_m, so_d, sl_b, sl_h, sl_s,
             Hkv, q_len, D, splits, G: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0)
     r = tl.program_id(1)
-    b = bh // Hkv
+    b = (bh // Hkv).to(tl.int64)
     h = bh % Hkv
     sp = tl.arange(0, SPLITS)
     s_ok = sp < splits

@@ -266,7 +266,8 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     on one H200 (7B heads, bf16, batch 8, 16k-64k entries): 64-key tiles; one row block of up to
     32 rows: 4 warps, 2 stages (a step: 4.3 TB/s at 64k, the mask-free flash kernel's 4.3);
     more rows (a verification, G (γ + 1) = 70): 8 warps, 3 stages (0.48 ms at 64k against 0.66 ms
-    with 2 stages)."""
+    with 2 stages); in float32, 2 stages (3 stages of 128 rows x 128 dims with a bias need 295 KB
+    of shared memory, compiled for sm_90: more than an H100/H200 block's 227 KB)."""
     from ._triton_attention import combine, split_kv
 
     B, H, q, D = query.shape
@@ -275,7 +276,7 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     block_m = max(16, triton_next_pow2(G * q))
     block_d = max(16, triton_next_pow2(D))
     num_warps = num_warps or (4 if block_m <= 32 else 8)
-    num_stages = num_stages or (2 if block_m <= 32 else 3)
+    num_stages = num_stages or (2 if block_m <= 32 or query.dtype == torch.float32 else 3)
     splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
     start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
