@@ -38,9 +38,16 @@ class BufferPool:
     def __init__(self, shapes: int = 6):
         self.free: dict = {}  # (name, shape, dtype) -> tensor, oldest first
         self.shapes = shapes
+        self.low: int | None = None  # the fewest idle bytes since `mark` (None: not marked)
+
+    def mark(self) -> None:
+        """Start watching the idle bytes' low-water mark (a run's peak memory: `engine._peak`)."""
+        self.low = self.idle_bytes()
 
     def take(self, name, shape, dtype, device) -> torch.Tensor:
         t = self.free.pop((name, tuple(shape), dtype), None)
+        if t is not None and self.low is not None:
+            self.low = min(self.low, self.idle_bytes())
         if t is None or t.device != torch.device(device):
             return torch.zeros(shape, dtype=dtype, device=device)
         return t.zero_()

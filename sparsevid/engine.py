@@ -111,9 +111,11 @@ def _reset_peak(device: torch.device) -> None:
 
 def _peak(device: torch.device, pool=None) -> tuple[int | None, str | None]:
     """(bytes, source): CUDA peak allocated since `_reset_peak` less the buffers that waited in the
-    pool all run (another run's: `cache.BufferPool`), or the CPU peak resident growth."""
+    pool all run (`cache.BufferPool`: its fewest idle bytes since the run began; by the time this is
+    read the run has given its own buffers back), or the CPU peak resident growth."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) - (pool.idle_bytes() if pool is not None else 0), "cuda"
+        idle = 0 if pool is None else pool.idle_bytes() if pool.low is None else pool.low
+        return torch.cuda.max_memory_allocated(device) - idle, "cuda"
     if not _RSS_BASE:
         return None, None
     return max(0, _status_bytes("VmHWM") - _RSS_BASE[0]), "rss"
@@ -331,6 +333,8 @@ class _Rows:
         self.live: list[int] = []
         sync(loaded.device)
         _reset_peak(loaded.device)
+        if loaded.pool is not None:
+            loaded.pool.mark()
 
     def done(self, b: int) -> bool:
         """Row b has ended: an end token, or max_new_tokens tokens."""

@@ -329,3 +329,19 @@ def test_bench_gives_a_direct_methods_bound_from_the_kv_it_reads(tiny_model_dir,
     assert 0 < row["attention_kv_pct"] <= 100
     assert 1 <= row["bound_speedup"] <= 100 / row["decode_kv_pct"]
     assert row["bound_share"] == pytest.approx(row["speedup"] / row["bound_speedup"])
+
+
+def test_the_buffer_pool_remembers_what_waited_idle_the_whole_run():
+    """On CUDA a run's peak memory is the allocator's peak less the pool's buffers that no run used
+    (`engine._peak`). Read after the run has given its own buffers back, the idle bytes then would
+    subtract the run's own KV too; the low-water mark since the run began counts only what waited."""
+    from sparsevid.cache import BufferPool
+
+    pool = BufferPool()
+    k, other = torch.ones(1000), torch.ones(500)  # 4,000 and 2,000 bytes, given back by an earlier run
+    pool.give_back({"k": k, "other": other})
+    pool.mark()  # a run begins
+    t = pool.take("k", (1000,), torch.float32, "cpu")
+    assert t is k and bool((t == 0).all())  # the same buffer, zeroed
+    pool.give_back({"k": t})  # the run ends
+    assert pool.idle_bytes() == 6000 and pool.low == 2000
