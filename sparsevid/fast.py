@@ -255,8 +255,9 @@ def signature(layers: list, scales: list) -> tuple:
     def sig(t):
         return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
 
-    return tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width, sig(b.heads)) for layer in layers
-                 for b in blocks_of(layer)) + tuple(sig(s) for s in scales)
+    return (tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width, sig(b.heads), sig(b.qheads)) for layer in layers
+                  for b in blocks_of(layer))
+            + tuple(sig(layer.order) for layer in layers if isinstance(layer, Split)) + tuple(sig(s) for s in scales))
 
 
 class Captured:
