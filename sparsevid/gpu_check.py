@@ -153,9 +153,9 @@ def main(argv=None) -> int:
         if timeout < 30:
             print(f"gpu_check: {name} skipped ({args.budget:.0f} s budget spent)", file=sys.stderr, flush=True)
             report["parts"][name] = dict(command=" ".join(cmd), returncode=None, seconds=0.0, skipped=True)
-            continue
-        print(f"gpu_check: {name} (at most {timeout} s) ...", file=sys.stderr, flush=True)
-        report["parts"][name] = run_part(name, cmd, timeout)
+        else:
+            print(f"gpu_check: {name} (at most {timeout} s) ...", file=sys.stderr, flush=True)
+            report["parts"][name] = run_part(name, cmd, timeout)
         with open(args.out, "w") as f:  # written after every part: a killed run keeps what it has
             json.dump(report, f, indent=1)
     print(json.dumps({n: (r["returncode"], r["seconds"]) for n, r in report["parts"].items()}))

@@ -97,8 +97,8 @@ def routed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     keep = [k.to(dev) for k in keep]
     out = query.new_empty(1, m, H, D)
     rows_q, rows_k, rows_v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [m, ., D]
-    written = [False] * H
-    for heads, pos in _buckets(head_positions(keep, query_mask, head_scale, H)):
+    buckets = _buckets(head_positions(keep, query_mask, head_scale, H))
+    for heads, pos in buckets:
         whole_groups = heads == [g * G + i for g in sorted({h // G for h in heads}) for i in range(G)]
         if whole_groups:  # GQA form, one run of consecutive groups at a time: views, K/V not repeated
             parts = [(slice(a, b), slice(a // G, b // G)) for a, b in _spans(heads)]
@@ -110,11 +110,8 @@ def routed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             _attend_positions(rows_q[:, hq], rows_k[:, kv], rows_v[:, kv], pos, blocks, scale, whole_groups, dst)
             if not isinstance(hq, slice):
                 out[0, :, hq] = dst
-        for h in heads:
-            written[h] = True
-    for h, done in enumerate(written):
-        if not done:  # dropped
-            out[0, :, h].zero_()
+    for h in set(range(H)) - {h for heads, _ in buckets for h in heads}:  # dropped heads
+        out[0, :, h].zero_()
     if head_scale is not None and bool(((head_scale != 0) & (head_scale != 1)).any()):
         out = out * head_scale.to(dev, out.dtype).view(1, 1, H, 1)
     return out
@@ -125,8 +122,7 @@ def _row_blocks(pos: torch.Tensor, m: int, dtype: torch.dtype) -> list[tuple[tor
     ROW_BLOCK: [(rows [r], n_b, additive mask [r, n_b])], n_b = the kept keys at positions <= the
     block's last row, the mask -inf where a kept key comes after the row. Rows before pos[0] read
     nothing and are in no block. Built once per set of positions, for every head that reads it."""
-    m_kept = pos.numel()
-    if m_kept in (0, m):
+    if pos.numel() in (0, m):
         return []
     others = torch.ones(m, dtype=torch.bool, device=pos.device)
     others[pos] = False
