@@ -211,7 +211,8 @@ def test_a_batch_bound_shares_one_gamma_across_rows():
     from sparsevid.metrics import batch_bound, speculative_bound
 
     def row(alpha):
-        return dict(draft_step_cost=0.3, verify_cost=1.5, gamma=9, position_acceptance=alpha)
+        return dict(draft_step_cost=0.3, verify_cost=1.5, verify_base=1.5, verify_row_cost=0.0, gamma=9,
+                    position_acceptance=alpha)
 
     def own(alpha):
         return max([1.0] + [speculative_bound(alpha, g, 0.3, 1.5) for g in range(1, 10)])
@@ -223,6 +224,31 @@ def test_a_batch_bound_shares_one_gamma_across_rows():
     # no row speculated (no costs): no bound; a batch whose best is under dense: 1x with adaptive γ
     assert batch_bound([dict(gamma=9)], adaptive=True) is None
     assert batch_bound([dict(row(0.0), draft_step_cost=1.0)], adaptive=True) == 1.0
+
+
+def test_the_bound_prices_each_gamma_by_its_own_verification():
+    """A verification of γ + 1 tokens costs more at a longer γ (compute-bound at batch 8 on a CPU).
+    The bound over γ of an adaptive run prices each γ from a line through its passes at each γ
+    (`step_costs`), not from one γ's pass: probes at γ = 3 whose pass costs 1.6 dense steps, and
+    passes at γ = 1 of 1.2, give v(γ) = 1 + 0.2·γ, so γ = 9 costs 2.8, not 1.6; one γ: through a
+    dense step (v0 = 1)."""
+    from sparsevid.metrics import ratios, speculative_bound, step_costs
+    from sparsevid.traces import PromptInfo, Round, Trace
+
+    step = 0.01
+    dense = Trace("dense", "dense", [1] * 30, "", 0.1, 29 * step, 1, step_s=[step] * 29)
+    rounds = ([Round([5, 6, 7], 3, 8, 3 * 0.5 * step, 1.6 * step, gamma=3, why="probe")] * 4
+              + [Round([5], 1, 6, 0.5 * step, 1.2 * step, gamma=1, why="best")] * 4)
+    t = Trace("std", "speculative", [1] * 25, "", 0.1, 0.2, 1, rounds=rounds, gamma=9, draft_entries=10)
+    c, v, v0, r = step_costs(t, dense)
+    assert (c, v0, r) == (pytest.approx(0.5), pytest.approx(1.0), pytest.approx(0.2))
+    f = ratios(t, dense, PromptInfo(100, 95, np.arange(90), np.zeros((90, 3), dtype=int), (1, 9, 10)))
+    alpha = f["position_acceptance"]
+    assert alpha == 1.0 and f["verify_base"] == pytest.approx(1.0) and f["verify_row_cost"] == pytest.approx(0.2)
+    best = max(speculative_bound(alpha, g, 0.5, 1.0 + 0.2 * g) for g in range(1, 10))
+    assert f["bound_speedup"] == pytest.approx(best) and f["bound_speedup"] < speculative_bound(alpha, 9, 0.5, 1.6)
+    one = Trace("std", "speculative", [1] * 25, "", 0.1, 0.2, 1, rounds=rounds[:4], gamma=3, draft_entries=10)
+    assert step_costs(one, dense)[2:] == (pytest.approx(1.0), pytest.approx(0.6 / 3))
 
 
 def test_gamma_plan_of_a_batch_chooses_for_each_rows_acceptance_not_the_pooled_one():

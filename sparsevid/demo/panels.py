@@ -185,7 +185,8 @@ def step_costs(traces: dict[str, Trace], figures: dict[str, dict], prompt: Promp
             c_io = None
         out["methods"][name] = dict(
             draft_step_s=sum(r.draft_s for r in t.rounds) / drafted if drafted else 0.0,
-            verify_s=statistics.mean(r.verify_s for r in t.rounds), c=f["draft_step_cost"], v=f["verify_cost"],
+            verify_s=statistics.mean(r.verify_s for r in t.rounds), c=f["draft_step_cost"],
+            v=f.get("verify_base", f["verify_cost"]) + t.gamma * f.get("verify_row_cost", 0.0),  # at γ
             acceptance=f.get("acceptance"), gamma=t.gamma, measured=f.get("speedup"), bound=f.get("bound_speedup"),
             bound_full=f.get("bound_speedup_full_acceptance"), predicted=f.get("predicted_speedup"), c_io=c_io)
     return out
