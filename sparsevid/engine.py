@@ -27,7 +27,7 @@ from . import kernels
 from .adapters import VideoInputs, text_step
 from .attention import Run, active
 from .fast import buffers, stack_buffers, static_step
-from .cache import KVCache, LayerSelection, Prompt, Stack
+from .cache import KVCache, LayerSelection, Prompt, Stack, StackRows
 from .models import Loaded
 from .metrics import best_gamma
 from .traces import LayerRecord, Round, Trace
@@ -342,7 +342,15 @@ class _Rows:
 
     def admit(self) -> list[int]:
         """Prefill waiting prompts while fewer than `width` rows are live (the first call: the first
-        `width` prompts); the live rows."""
+        `width` prompts, whose dense caches are reserved in the stack's layout first: `cache.StackRows`,
+        so their prefills write where the batch's steps read); the live rows."""
+        if not self.live and len(self.waiting) == len(self.inputs) and self.width > 1:
+            first = self.waiting[:self.width]
+            for b in first:
+                self.runs[b] = self.make_run(self.inputs[b])
+            caches = [self.runs[b].cache for b in first]
+            if all(c.store_dense for c in caches):
+                StackRows(caches, self.loaded.pool)
         while len(self.live) < self.width and (b := self.join()) is not None:
             self.live.append(b)
         return self.live
@@ -357,7 +365,7 @@ class _Rows:
     def _prefill_next(self) -> int | None:
         b = self.waiting.pop(0)
         x = self.inputs[b]
-        run = self.runs[b] = self.make_run(x)
+        run = self.runs[b] = self.runs[b] or self.make_run(x)
         t0 = time.perf_counter()
         self.outs[b] = [choose(prefill(self.loaded, x, run), self.sampling, self.gens[b])]
         sync(self.loaded.device)

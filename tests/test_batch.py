@@ -137,6 +137,49 @@ def test_a_prompt_that_joins_takes_the_row_that_ended_in_place(ragged, monkeypat
         assert any(placed) and stacked.count(2) < 4, (name, placed, stacked)
 
 
+def test_a_batch_prefills_into_its_stacked_buffers_so_stacking_copies_nothing(ragged, monkeypatch):
+    """The first rows' dense caches are reserved in the stack's layout before their prefills
+    (`cache.StackRows`): each prefill writes its KV into its row, so the stack copies nothing (it
+    copied every row's KV at the batch's first step). Where a row ends at its first token the other
+    rows are stacked by copying, as before. Every row keeps its one-row tokens either way."""
+    loaded, inputs = ragged("qwen2_vl")
+    copied = []
+    real = cache_mod.Stack._copy
+    monkeypatch.setattr(cache_mod.Stack, "_copy", staticmethod(lambda out, b, row: copied.append(b) or real(out, b, row)))
+    one = [runs.run_method(loaded, x, "dense", max_new_tokens=8).token_ids for x in inputs]
+    copied.clear()
+    assert [t.token_ids for t in runs.run_rows(loaded, inputs, "dense", max_new_tokens=8)] == one
+    assert copied == []
+    ends = one[1][0]  # the second prompt's first token ends it
+    monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [ends]))
+    one = [runs.run_method(loaded, x, "dense", max_new_tokens=8).token_ids for x in inputs]
+    assert one[1] == [ends]
+    assert [t.token_ids for t in runs.run_rows(loaded, inputs, "dense", max_new_tokens=8)] == one
+    assert copied
+
+
+def test_reserved_rows_are_zeroed_past_what_each_prefill_wrote(monkeypatch):
+    """A reserved buffer is allocated uninitialised (here: NaN) and each row zeroed as its cache
+    first writes, so the masked tail past a row's length is 0, never NaN (0 x NaN is NaN); the stack
+    then holds each row's KV in place, its caches views of it."""
+    monkeypatch.setattr(cache_mod.Buffers, "empty", lambda self, name, shape, dtype, device:
+                        torch.full(shape, float("nan"), dtype=dtype, device=device))
+    caches = [cache_mod.KVCache(1, capacity, pool=None) for capacity in (5, 7)]
+    rows = cache_mod.StackRows(caches)
+    kvs = [torch.randn(2, 1, 2, m, 4) for m in (3, 6)]
+    for c, (k, v) in zip(caches, kvs):
+        c.layers[0].update(k, v)
+        c.finish_prefill(k.shape[2])
+    stack = cache_mod.Stack(caches, num_heads=4)
+    k_all = stack.dense[0][0]
+    assert k_all.shape == (2, 2, 7, 4) and not torch.isnan(k_all).any()
+    for b, (c, (k, _)) in enumerate(zip(caches, kvs)):
+        m = k.shape[2]
+        assert torch.equal(k_all[b, :, :m], k[0]) and not k_all[b, :, m:].any()
+        assert c.layers[0].keys.data_ptr() == k_all[b].data_ptr() and c.reserved is None
+    assert not rows.tensors  # handed over to the stack
+
+
 def test_write_at_per_row_and_head_positions():
     buf = torch.zeros(2, 3, 10, 4)
     x = torch.randn(2, 3, 2, 4)
