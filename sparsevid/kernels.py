@@ -136,7 +136,7 @@ def _register_fake() -> None:
         return
 
     @torch.library.register_fake("sparsevid::decode_attention")
-    def _(q, k, v, start, scale, bias):
+    def _(q, k, v, start, scale, bias, threads=0):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
     _register_fake.done = True
@@ -167,7 +167,8 @@ def attend_cpu(query, k, v, start, scale, bias=None):
     if bias is not None:
         bias = bias[None] if bias.dim() == 3 else bias
     with threads(call_threads(query.device, B * Hkv, N, split=True)):
-        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias)
+        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias,
+                                                    graph_threads(B * Hkv, N, H // Hkv * q))
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
@@ -176,6 +177,26 @@ def attend_cpu(query, k, v, start, scale, bias=None):
 # 2.1 ms on two, switching included; switching costs ~0.15 ms, more than one row gains below that.
 WIDE_THREADS: int | None = None
 WIDE_MIN = 100_000
+
+
+# Inside a compiled step on fewer threads (no switch there), the CPU op runs its own items on
+# WIDE_THREADS where the call is long enough to pay for waking them: (sequence, KV head) pairs x
+# entries x (rows per KV head + 3) at least WIDE_GRAPH_WORK, about 0.4 ms on one thread. One layer
+# of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread against two
+# (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second), 2-core Xeon: 4,608
+# entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216 entries, 1 token 0.37 vs 0.42,
+# 2 tokens 0.48 vs 0.41, 4 tokens 0.68 vs 0.51, 10 tokens 1.47 vs 0.91; 18,432 entries, 1 token
+# 0.61 vs 0.50; 36,864 entries, 1 token 1.19 vs 0.83 (a verification is compute-bound, and a long
+# cache's step reads more than one thread can).
+WIDE_GRAPH_WORK = 240_000
+
+
+def graph_threads(items: int, n: int, rows: int) -> int:
+    """The `threads` argument of the CPU op (0: the step's own): WIDE_THREADS inside a compiled
+    graph for a call of at least WIDE_GRAPH_WORK (read at tracing: a constant of the graph)."""
+    if not torch.compiler.is_compiling() or not WIDE_THREADS:
+        return 0
+    return WIDE_THREADS if items * n * (rows + 3) >= WIDE_GRAPH_WORK else 0
 
 
 @torch.compiler.assume_constant_result

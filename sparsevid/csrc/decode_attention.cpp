@@ -20,8 +20,12 @@
 // take 16-lane vectors, several rows per V row loaded: per row the same operations in the same order
 // as a step's code, so the same bits (a test).
 //
-// Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`).
+// Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`), or
+// on `threads` OpenMP threads where the caller asks for more than that: a compiled decode step runs on
+// one thread (waking the other between its small kernels costs more than they gain), but a
+// verification's attention is compute-bound and pays for a second thread (`kernels.attend_cpu`).
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -454,15 +458,31 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
   }
 }
 
+// f(i0, i1) over [0, n): on `threads` OpenMP threads (contiguous chunks) where that is more than ATen's
+// count, else ATen's parallel_for. Items are independent, so the split changes no result.
+template <class F>
+void parallel(int64_t n, int64_t threads, const F& f) {
+  if (threads <= at::get_num_threads() || n < 2) {
+    at::parallel_for(0, n, 1, f);
+    return;
+  }
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, n)))
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), chunk = (n + nt - 1) / nt;
+    const int64_t i0 = t * chunk, i1 = std::min(n, i0 + chunk);
+    if (i0 < i1) f(i0, i1);
+  }
+}
+
 template <int64_t DC>
-void run(const Args& a, float* out) {
+void run(const Args& a, float* out, int64_t threads) {
   const int64_t D = a.D, R = a.G * a.Q;
   int64_t last = 0;  // the largest entry any row sees, + 1
   for (int64_t i = 0; i < a.B * a.Hkv; ++i) last = std::max(last, a.start[i] + a.Q);
   last = std::min(last, a.N);
   const int64_t splits = std::max<int64_t>(1, (last + SPLIT - 1) / SPLIT), items = a.B * a.Hkv * splits;
   std::vector<float> m(items * R), l(items * R), acc(items * R * D);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  parallel(items, threads, [&](int64_t i0, int64_t i1) {
     std::vector<float> qrow(R * D), kt(D * TILE), p(R * TILE), al(R);
     std::vector<int64_t> sn(R);
     for (int64_t i = i0; i < i1; ++i) {
@@ -479,7 +499,7 @@ void run(const Args& a, float* out) {
     }
   });
   // combine the splits of each row, in order: out [B, Q, H, D]
-  at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t i0, int64_t i1) {
+  parallel(a.B * a.Hkv, threads, [&](int64_t i0, int64_t i1) {
     for (int64_t bh = i0; bh < i1; ++bh) {
       const int64_t b = bh / a.Hkv, h = bh % a.Hkv;
       for (int64_t r = 0; r < R; ++r) {
@@ -503,7 +523,7 @@ void run(const Args& a, float* out) {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
-                            double scale, const std::optional<at::Tensor>& bias) {
+                            double scale, const std::optional<at::Tensor>& bias, int64_t threads) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
@@ -537,10 +557,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({a.B, a.Q, a.H, a.D}, q.options());
   float* o = out.data_ptr<float>();
   switch (a.D) {  // the head dims of the models at hand, unrolled; any other through the generic loop
-    case 24: run<24>(a, o); break;
-    case 64: run<64>(a, o); break;
-    case 128: run<128>(a, o); break;
-    default: run<0>(a, o);
+    case 24: run<24>(a, o, threads); break;
+    case 64: run<64>(a, o, threads); break;
+    case 128: run<128>(a, o, threads); break;
+    default: run<0>(a, o, threads);
   }
   return out;
 }
@@ -548,7 +568,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(sparsevid, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias, int threads=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sparsevid, CPU, m) { m.impl("decode_attention", &decode_attention); }
