@@ -8,7 +8,8 @@ others still run; the JSON is written after every part):
 1. `tests`: the kernel and CUDA-graph tests (`tests/test_kernels.py`, the CUDA test of `test_fast.py`);
 2. `kernels`: decode attention of one layer at the 7B head shape, each backend (`kernels.BACKENDS`)
    and SDPA's mask-free flash kernel as the ceiling, batch 1 and 8, 16k-64k entries, 1 and γ + 1
-   rows: ms, GB/s, error against float64 (`bench --verify-kernels`);
+   rows: ms, GB/s, error against float64, and per shape the fastest kernel within the dtype's
+   tolerance (`fastest_exact`: the one to choose there; `bench --verify-kernels`);
 3. `shapes`: the 28-layer 7B shape (random weights, bf16), batch 1 and 8, prompts 16k-64k: dense
    step, draft step and verification, eager and captured, each against its limit, StD's round
    bound against the ideal one, HT-Sparse's and SparseMM's per-head layouts at their default

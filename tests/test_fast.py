@@ -3,6 +3,7 @@ architecture and on the embedded model; no recompilation once a run's step kinds
 a compilation that fails falls back to eager without failing the run."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -243,7 +244,8 @@ def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     from sparsevid import cli
 
     assert cli.main(["bench", "--verify-kernels", "--visual-tokens", "256", "--batch", "1,2", "--device", "cpu"]) == 0
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     bound = [r for r in rows if r[3].startswith("read K and V")]  # the memory bound of a step, per batch
     blas = [r for r in rows if r[3].startswith("the same matmuls")]  # a verification's arithmetic alone
     rows = [r for r in rows if r not in bound + blas]
@@ -251,6 +253,13 @@ def test_bench_verify_kernels_times_each_backend_exact_to_float32(capsys):
     assert len(blas) == 2 and all(r[2] == "10" and float(r[6]) > 0 for r in blas)
     assert len(rows) == 8 and {r[3] for r in rows} == {"sdpa", "cpu"}  # the CPU's backends; 1 and γ + 1 rows, 2 batches
     assert all(float(r[-1].rstrip(" |")) < 1e-6 for r in rows)  # exact attention
+    # the choice the GPU check records: per (batch, entries, rows) the fastest exact kernel, never a bound
+    line = next(x for x in out.splitlines() if x.startswith("fastest within the dtype's tolerance: "))
+    picks = re.findall(r"batch (\d+), 256 entries, (\d+) row\(s\): (\w+) \(([\d.]+) ms\)", line)
+    assert len(picks) == 4 and "read K" not in line and "matmuls" not in line
+    for b, q, kernel, ms in picks:
+        timed = {r[3]: r[4] for r in rows if r[0].strip("| ") == b and r[2] == q}
+        assert timed[kernel] == ms == min(timed.values(), key=float)
 
 
 def test_bench_shape_measures_each_batch_and_length_at_a_real_shape(capsys):
