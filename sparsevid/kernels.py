@@ -136,7 +136,7 @@ def _register_fake() -> None:
         return
 
     @torch.library.register_fake("sparsevid::decode_attention")
-    def _(q, k, v, start, scale, bias, threads=0):
+    def _(q, k, v, start, scale, bias, threads=0, min_work=0):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
     _register_fake.done = True
@@ -167,8 +167,7 @@ def attend_cpu(query, k, v, start, scale, bias=None):
     if bias is not None:
         bias = bias[None] if bias.dim() == 3 else bias
     with threads(call_threads(query.device, B * Hkv, N, split=True)):
-        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias,
-                                                    graph_threads(B * Hkv, N, H // Hkv * q))
+        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *graph_threads())
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
@@ -181,7 +180,7 @@ WIDE_MIN = 100_000
 
 # Inside a compiled step on fewer threads (no switch there), the CPU op runs its own items on
 # WIDE_THREADS where the call is long enough to pay for waking them: (sequence, KV head) pairs x
-# entries x (rows per KV head + 3) at least WIDE_GRAPH_WORK, about 0.4 ms on one thread. One layer
+# entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK, about 0.4 ms on one thread. One layer
 # of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread against two
 # (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second), 2-core Xeon: 4,608
 # entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216 entries, 1 token 0.37 vs 0.42,
@@ -191,12 +190,15 @@ WIDE_MIN = 100_000
 WIDE_GRAPH_WORK = 240_000
 
 
-def graph_threads(items: int, n: int, rows: int) -> int:
-    """The `threads` argument of the CPU op (0: the step's own): WIDE_THREADS inside a compiled
-    graph for a call of at least WIDE_GRAPH_WORK (read at tracing: a constant of the graph)."""
+def graph_threads() -> tuple[int, int]:
+    """The CPU op's (threads, min_work): inside a compiled graph on fewer threads (WIDE_THREADS,
+    WIDE_GRAPH_WORK), read at tracing (constants of the graph), and the op compares a call's work
+    with min_work itself: a comparison here, over the graph's dynamic sizes (capacity, rows), would
+    become a guard, and a verification or a video length on its other side would recompile inside a
+    timed run. (0, 0) elsewhere: the step's own threads."""
     if not torch.compiler.is_compiling() or not WIDE_THREADS:
-        return 0
-    return WIDE_THREADS if items * n * (rows + 3) >= WIDE_GRAPH_WORK else 0
+        return 0, 0
+    return WIDE_THREADS, WIDE_GRAPH_WORK
 
 
 @torch.compiler.assume_constant_result

@@ -207,32 +207,34 @@ def test_a_large_eager_attention_call_runs_on_every_thread_and_gives_the_same_re
 def test_a_long_call_in_a_compiled_one_thread_step_runs_the_cpu_op_on_two_threads_with_the_same_bits(monkeypatch):
     """A compiled step runs on one thread (no switch inside a graph); a call long enough to pay
     for waking the second thread (a verification's many rows, a long cache: WIDE_GRAPH_WORK) has
-    the CPU op run its items on WIDE_THREADS itself, a constant of the graph, and a short one on
-    the step's thread. Items are independent: the same bits either way."""
+    the CPU op run its items on WIDE_THREADS itself. The graph holds the two as constants and the op
+    compares the call's work (so no guard on the dynamic rows or capacity: one graph on both sides
+    of the threshold, nothing recompiled inside a timed run). Items are independent: the same bits
+    on any number of threads."""
     if not kernels.cpu_available():
         pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
     before = torch.get_num_threads()
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 5, 24), torch.randn(2, 4, 1300, 24), torch.randn(2, 4, 1300, 24)
-    start = torch.tensor([[1200], [700]])
+    q2, start = torch.randn(2, 8, 2, 24), torch.tensor([[1200], [700]])
     monkeypatch.setattr(kernels, "WIDE_THREADS", 2)
-    monkeypatch.setattr(kernels, "WIDE_GRAPH_WORK", 2 * 4 * 1300 * (2 * 5 + 3))  # this call, not a 1-row one
+    monkeypatch.setattr(kernels, "WIDE_GRAPH_WORK", 100_000)  # 5 rows: 2 x 4 x 1205 x 13; 2 rows: 67,312
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append([n.args[6] if len(n.args) > 6 else n.kwargs.get("threads", 0) for n in gm.graph.nodes
+        graphs.append([tuple(n.args[6:]) for n in gm.graph.nodes
                        if n.op == "call_function" and "decode_attention" in str(n.target)])
         return gm.forward
 
     try:
         torch.set_num_threads(1)
         torch._dynamo.reset()
-        fn = torch.compile(kernels.attend_cpu, backend=capture, fullgraph=True)
-        long, short = fn(q, k, v, start, 0.2), fn(q[:, :, :1], k, v, start, 0.2)
+        fn = torch.compile(kernels.attend_cpu, backend=capture, fullgraph=True, dynamic=True)
+        long, short = fn(q, k, v, start, 0.2), fn(q2, k, v, start, 0.2)
     finally:
         torch.set_num_threads(before)
         torch._dynamo.reset()
-    assert graphs == [[2], [0]]
+    assert graphs == [[(2, 100_000)]]  # one graph for both
     op, start = torch.ops.sparsevid.decode_attention, start.expand(2, 4).contiguous()
-    assert torch.equal(long, op(q, k, v, start, 0.2, None)) and torch.equal(short, op(q[:, :, :1], k, v, start, 0.2, None))
-    assert torch.equal(op(q, k, v, start, 0.2, None, 2), op(q, k, v, start, 0.2, None, 0))
+    assert torch.equal(long, op(q, k, v, start, 0.2, None)) and torch.equal(short, op(q2, k, v, start, 0.2, None))
+    assert torch.equal(op(q, k, v, start, 0.2, None, 2, 0), op(q, k, v, start, 0.2, None, 0, 0))

@@ -21,9 +21,11 @@
 // as a step's code, so the same bits (a test).
 //
 // Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`), or
-// on `threads` OpenMP threads where the caller asks for more than that: a compiled decode step runs on
-// one thread (waking the other between its small kernels costs more than they gain), but a
-// verification's attention is compute-bound and pays for a second thread (`kernels.attend_cpu`).
+// on `threads` OpenMP threads where the caller asks for more than that and the call's work, B x Hkv x
+// (entries read) x (rows per KV head + 3), is at least `min_work`: a compiled decode step runs on one
+// thread (waking the other between its small kernels costs more than they gain), but a verification's
+// attention is compute-bound and pays for a second thread (`kernels.graph_threads`). Decided here,
+// from the call's sizes, so a compiled graph holds two constants and no guard on its dynamic shapes.
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <ATen/core/Tensor.h>
@@ -475,11 +477,12 @@ void parallel(int64_t n, int64_t threads, const F& f) {
 }
 
 template <int64_t DC>
-void run(const Args& a, float* out, int64_t threads) {
+void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
   const int64_t D = a.D, R = a.G * a.Q;
   int64_t last = 0;  // the largest entry any row sees, + 1
   for (int64_t i = 0; i < a.B * a.Hkv; ++i) last = std::max(last, a.start[i] + a.Q);
   last = std::min(last, a.N);
+  if (a.B * a.Hkv * last * (R + 3) < min_work) threads = 0;
   const int64_t splits = std::max<int64_t>(1, (last + SPLIT - 1) / SPLIT), items = a.B * a.Hkv * splits;
   std::vector<float> m(items * R), l(items * R), acc(items * R * D);
   parallel(items, threads, [&](int64_t i0, int64_t i1) {
@@ -523,7 +526,8 @@ void run(const Args& a, float* out, int64_t threads) {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
-                            double scale, const std::optional<at::Tensor>& bias, int64_t threads) {
+                            double scale, const std::optional<at::Tensor>& bias, int64_t threads,
+                            int64_t min_work) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
@@ -557,10 +561,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({a.B, a.Q, a.H, a.D}, q.options());
   float* o = out.data_ptr<float>();
   switch (a.D) {  // the head dims of the models at hand, unrolled; any other through the generic loop
-    case 24: run<24>(a, o, threads); break;
-    case 64: run<64>(a, o, threads); break;
-    case 128: run<128>(a, o, threads); break;
-    default: run<0>(a, o, threads);
+    case 24: run<24>(a, o, threads, min_work); break;
+    case 64: run<64>(a, o, threads, min_work); break;
+    case 128: run<128>(a, o, threads, min_work); break;
+    default: run<0>(a, o, threads, min_work);
   }
   return out;
 }
@@ -568,7 +572,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(sparsevid, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias, int threads=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias, int threads=0, int min_work=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sparsevid, CPU, m) { m.impl("decode_attention", &decode_attention); }
