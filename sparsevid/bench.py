@@ -314,7 +314,7 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
                               rows=rows, **extra)))
         return 0
     fast = loaded.fast
-    batches = ("compiled too (SPARSEVID_CPU_BATCH_COMPILE)" if fast is not None and fast.enabled and fast.batched
+    batches = ("compiled too" if fast is not None and fast.enabled and fast.batched
                else "eager" if loaded.device.type == "cpu" else "as batch 1")
     print(f"decode steps: {state(loaded)} (batches of more than one row: {batches})")
     first = [("frames", "frames", "g")] if "frames" in rows[0] else [("prompt", "seq", "g")]

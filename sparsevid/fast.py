@@ -317,7 +317,11 @@ class FastSteps:
         self.graphs: dict = {}  # CUDA: (signature, q, layers) -> Captured, most recently used last
         self.captures = 0
         self.capture_s = 0.0
-        self.batched = os.environ.get("SPARSEVID_CPU_BATCH_COMPILE") == "1"  # CPU: batches through the graph too
+        # CPU: batches through the graph too (SPARSEVID_CPU_BATCH_COMPILE=0: eager), one graph for every batch
+        # size, compiled in the warm-up (`runs.warm_rows`). Eager batches won while a compiled step kept its
+        # attention on the step's one thread; with the op's own threads (`kernels.graph_threads`) a compiled
+        # batch-8 step measured 957 against 816 tok/s at 4,608 visual tokens and 4,028 against 2,511 at 288.
+        self.batched = os.environ.get("SPARSEVID_CPU_BATCH_COMPILE", "1") != "0"
 
     max_graphs = 48
 
@@ -353,9 +357,8 @@ class FastSteps:
              position_ids: torch.Tensor) -> torch.Tensor | None:
         """Logits [B, q, V] through the compiled or captured graph over `bufs` (`buffers` or
         `stack_buffers`) with write positions `start`, or None (the caller runs the eager step): not
-        enabled, a per-head layout kept eager, a batch on the CPU (eager: at B > 1 its attention
-        dominates a step, and one compiled graph per batch size would be compiled in a timed run),
-        or compilation failed (then disabled for good)."""
+        enabled, a per-head layout kept eager, a batch on the CPU with `batched` off, or compilation
+        failed (then disabled for good)."""
         if not self.enabled:
             return None
         layers, scales, _, per_head = bufs

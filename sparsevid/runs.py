@@ -169,7 +169,7 @@ def drafting(settings: dict | None) -> dict:
 def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict | None, max_new_tokens: int,
               on_token: Callable[[int, int], None] | None = None) -> None:
     """`warm_up` for a batch of len(inputs) rows: where batches step through graphs (CUDA: one
-    captured graph per batch size; CPU with SPARSEVID_CPU_BATCH_COMPILE=1: one compiled graph for
+    captured graph per batch size; CPU (unless SPARSEVID_CPU_BATCH_COMPILE=0): one compiled graph for
     every size), a short run of each method on these rows captures or compiles them here, not in a
     timed run (on CUDA the full batch's; a batch that shrinks to a new size as rows end still
     captures that size at its first step). Once per batch size, methods and settings."""
