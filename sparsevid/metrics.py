@@ -97,11 +97,15 @@ def batch_bound(figs: list[dict], adaptive: bool) -> float | None:
     rows = [f for f in figs if f.get("draft_step_cost") is not None and f.get("gamma")]
     if not rows:
         return None
-    c = statistics.median(f["draft_step_cost"] for f in rows)
-    v0 = statistics.median(f["verify_base"] for f in rows)
-    r = statistics.median(f["verify_row_cost"] for f in rows)
-    gammas = range(1, max(f["gamma"] for f in rows) + 1) if adaptive else [max(f["gamma"] for f in rows)]
-    best = max(speculative_bound([f["position_acceptance"] for f in rows], g, c, v0 + g * r) for g in gammas)
+    return bound_over_gamma([f["position_acceptance"] for f in rows], max(f["gamma"] for f in rows),
+                            *(statistics.median(f[k] for f in rows) for k in ("draft_step_cost", "verify_base",
+                                                                              "verify_row_cost")), adaptive)
+
+
+def bound_over_gamma(alpha: float | list[float], gamma: int, c: float, v0: float, r: float, adaptive: bool) -> float:
+    """σ from step costs, a verification of γ + 1 tokens costing v0 + γ·r (`step_costs`): at `gamma`,
+    or with adaptive γ the best γ up to it and at least 1x (it can always run dense steps)."""
+    best = max(speculative_bound(alpha, g, c, v0 + g * r) for g in (range(1, gamma + 1) if adaptive else [gamma]))
     return max(1.0, best) if adaptive else best
 
 
@@ -174,11 +178,9 @@ def ratios(t: Trace, dense: Trace, prompt: PromptInfo) -> dict:
             pa = position_acceptance(t) or 0.0  # Ω's α
             d.update(dense_step_ms=step_ms, draft_step_ms=c * step_ms, verify_ms=v * step_ms,
                      draft_step_cost=c, verify_cost=v, verify_base=v0, verify_row_cost=r, position_acceptance=pa)
-            adaptive = any(rd.why != "fixed" for rd in t.rounds)  # the best γ up to gamma, or dense steps (1x)
+            adaptive = any(rd.why != "fixed" for rd in t.rounds)
             for key, alpha in (("bound_speedup", pa), ("bound_speedup_full_acceptance", 1.0)):
-                best = max(speculative_bound(alpha, g, c, v0 + g * r) for g in (range(1, t.gamma + 1) if adaptive
-                                                                                 else [t.gamma]))
-                d[key] = max(1.0, best) if adaptive else best
+                d[key] = bound_over_gamma(alpha, t.gamma, c, v0, r, adaptive)
             if d["speedup"] and d["bound_speedup"]:  # how much of what its own step costs allow it reached
                 d["bound_share"] = d["speedup"] / d["bound_speedup"]
     return d
