@@ -280,6 +280,56 @@ inline void accumulate512(float* o, const float* alpha, const float* p, const fl
 #define SPARSEVID_AVX512 0
 #endif
 
+// `exp_neg` of 8 lanes (AVX2 without AVX-512): the same method, the power of two built from its bits.
+inline __m256 exp_neg256(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);  // not -inf, not NaN
+  x = _mm256_and_ps(live, x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// `softmax512` in 8-lane vectors (AVX2 without AVX-512): the same contract.
+inline float softmax256(const float* s, int64_t seen, float m, float* p, float* sum) {
+  constexpr int C = TILE / 8;
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 v[C];
+  __m256 mx = _mm256_set1_ps(m);
+  for (int c = 0; c < C; ++c) {
+    const __m256 in = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(seen - 8 * c)), _CMP_LT_OQ);
+    v[c] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + 8 * c), in);
+    mx = _mm256_max_ps(mx, v[c]);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float mt = _mm_cvtss_f32(h);
+  if (mt == -std::numeric_limits<float>::infinity()) return mt;
+  const __m256 mv = _mm256_set1_ps(mt);
+  for (int c = 0; c < C; ++c) {
+    v[c] = exp_neg256(_mm256_sub_ps(v[c], mv));
+    _mm256_storeu_ps(p + 8 * c, v[c]);
+  }
+  for (int c = C / 2; c > 0; c /= 2)
+    for (int i = 0; i < c; ++i) v[i] = _mm256_add_ps(v[i], v[i + c]);
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v[0]), _mm256_extractf128_ps(v[0], 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  *sum = _mm_cvtss_f32(t);
+  return mt;
+}
+
 // Rows o_i = o_i * alpha_i + sum_{j < seen} p_ij v_{j0 + j} for NB rows at once (each V row loaded once
 // for all of them), two chains per row (even and odd keys) in registers. A row's arithmetic is the same
 // whatever NB and the other rows (their p past a row's own entries are exact zeros).
@@ -390,6 +440,8 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
       float sum = 0.0f;
 #if SPARSEVID_AVX512
       const float mt = softmax512(s, seen, m[r], pr, &sum);
+#elif SPARSEVID_AVX2
+      const float mt = softmax256(s, seen, m[r], pr, &sum);
 #else
       float mt = m[r];
 #pragma omp simd reduction(max : mt)
@@ -403,7 +455,7 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
         continue;
       }
       const float alpha = exp_neg(m[r] - mt);
-#if !SPARSEVID_AVX512
+#if !SPARSEVID_AVX2
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < TILE; ++j) {
         pr[j] = exp_neg(s[j] - mt);
