@@ -70,6 +70,7 @@ def backend(device: torch.device) -> str:
 
 
 _CPU_OP: str | None = None  # "" once the CPU op is loaded, else why it is not (None: not tried yet)
+BUILD_DIR: str | None = None  # where it was built (per machine)
 _CPU_LOCK = threading.Lock()
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "decode_attention.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: ATen's parallel_for on torch's own OpenMP pool
@@ -123,6 +124,8 @@ def load_cpu_op() -> None:
             cpp_extension.load("sparsevid_decode_attention", [SOURCE], extra_cflags=CFLAGS,
                                extra_ldflags=["-fopenmp"], build_directory=build, is_python_module=False)
         _register_fake()
+        global BUILD_DIR
+        BUILD_DIR = build
         _CPU_OP = ""
     except Exception as e:  # no compiler, no ninja, an unusual platform: SDPA serves
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
@@ -180,14 +183,67 @@ WIDE_MIN = 100_000
 
 # Inside a compiled step on fewer threads (no switch there), the CPU op runs its own items on
 # WIDE_THREADS where the call is long enough to pay for waking them: (sequence, KV head) pairs x
-# entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK, about 0.4 ms on one thread. One layer
-# of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread against two
-# (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second), 2-core Xeon: 4,608
-# entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216 entries, 1 token 0.37 vs 0.42,
-# 2 tokens 0.48 vs 0.41, 4 tokens 0.68 vs 0.51, 10 tokens 1.47 vs 0.91; 18,432 entries, 1 token
-# 0.61 vs 0.50; 36,864 entries, 1 token 1.19 vs 0.83 (a verification is compute-bound, and a long
-# cache's step reads more than one thread can).
-WIDE_GRAPH_WORK = 240_000
+# entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK. Where that lies depends on the CPU,
+# so it is measured once per machine (`measure_graph_work`, ~0.2 s, kept beside the op's build).
+# One layer of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread
+# against two (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second):
+# - 2-core Xeon (AVX-512): 4,608 entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216
+#   entries, 1 token 0.37 vs 0.42, 2 tokens 0.48 vs 0.41, 4 tokens 0.68 vs 0.51; 18,432 entries,
+#   1 token 0.61 vs 0.50: two threads pay from ~240,000;
+# - 2-core AMD EPYC (AVX2 only: a row's scores and softmax cost more per entry read): 4,700 entries,
+#   1 token 0.19 vs 0.22 ms, 2 tokens 0.34 vs 0.28, 4 tokens 0.66 vs 0.48; 2,300 entries, 4 tokens
+#   0.32 vs 0.38, 7 tokens 0.56 vs 0.49: two threads pay from ~110,000 (measured: `bench
+#   --verify-kernels` prints this machine's).
+WIDE_GRAPH_WORK: int | None = None  # None: not measured yet in this process
+GRAPH_WORK_DEFAULT = 240_000  # where it cannot be measured
+
+
+def measure_graph_work(reps: int = 15) -> int:
+    """WIDE_GRAPH_WORK for this machine: one layer of the embedded model's shape at a few lengths
+    and row counts, on one thread and on torch's count, interleaved, medians; the threshold that
+    makes the calls measured take the least time in all (one noisy call moves it little). Kept in
+    the op's build folder (per machine), so measured once."""
+    import json
+    import statistics
+    import time
+
+    path = os.path.join(BUILD_DIR or "", "graph_work.json")
+    n_threads = torch.get_num_threads()
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("threads") == n_threads:
+            return int(saved["work"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if n_threads < 2 or not cpu_available():
+        return GRAPH_WORK_DEFAULT
+    op, Hkv, G, D = torch.ops.sparsevid.decode_attention, 4, 2, 24
+    gen = torch.Generator().manual_seed(0)
+    cells = []  # (work, one thread s, n_threads s)
+    with torch.inference_mode():
+        for n in (1_200, 2_400, 4_800, 9_600):
+            k, v = (torch.randn(1, Hkv, n, D, generator=gen) for _ in range(2))
+            for q in (1, 2, 4, 8):
+                query = torch.randn(1, Hkv * G, q, D, generator=gen)
+                start = torch.full((1, Hkv), n - q, dtype=torch.long)
+                times = {1: [], n_threads: []}
+                with threads(1):
+                    for _ in range(reps + 1):
+                        for t in times:
+                            t0 = time.perf_counter()
+                            op(query, k, v, start, 0.2, None, t, 0)
+                            times[t].append(time.perf_counter() - t0)
+                one, many = (statistics.median(times[t][1:]) for t in times)
+                work = Hkv * n * (G * q + 3)
+                cells.append((work, one, many))
+    work = min((w for w, _, _ in cells), key=lambda w: sum(many if c >= w else one for c, one, many in cells))
+    try:
+        with open(path, "w") as f:
+            json.dump(dict(threads=n_threads, work=work, cells=cells), f)
+    except OSError:
+        pass
+    return work
 
 
 def graph_threads() -> tuple[int, int]:
@@ -198,7 +254,7 @@ def graph_threads() -> tuple[int, int]:
     timed run. (0, 0) elsewhere: the step's own threads."""
     if not torch.compiler.is_compiling() or not WIDE_THREADS:
         return 0, 0
-    return WIDE_THREADS, WIDE_GRAPH_WORK
+    return WIDE_THREADS, WIDE_GRAPH_WORK or GRAPH_WORK_DEFAULT
 
 
 @torch.compiler.assume_constant_result

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from . import kernels
 from .adapters import VideoInputs
 from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, decode_rows, speculative_decode_rows
 from .methods import METHODS, check_settings, configure, parse_methods
@@ -119,7 +120,7 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     if os.environ.get("SPARSEVID_STEP_THREADS"):
         loaded.step_threads = max(1, int(os.environ["SPARSEVID_STEP_THREADS"]))
         loaded.threads_note = f"steps on {loaded.step_threads} thread(s) (SPARSEVID_STEP_THREADS)"
-        return loaded.threads_note
+        return _graph_work(loaded, n)
     if loaded.device.type != "cpu" or n == 1:
         loaded.step_threads = n
         return ""
@@ -155,6 +156,18 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     else:
         loaded.threads_note = (f"steps on {loaded.step_threads} thread(s): eager dense step of 1 / 2 rows "
                                f"{ms[1]} ms on 1 thread, {ms[n]} ms on {n}")
+    return _graph_work(loaded, n)
+
+
+def _graph_work(loaded: Loaded, n: int) -> str:
+    """Where steps run on fewer than the process's `n` threads through the CPU op: this machine's
+    `kernels.WIDE_GRAPH_WORK` (measured once per machine, here in the warm-up, never in a timed run:
+    a compiled graph holds it as a constant), said in `loaded.threads_note`."""
+    if loaded.step_threads < n and kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32:
+        if kernels.WIDE_GRAPH_WORK is None:
+            kernels.WIDE_GRAPH_WORK = kernels.measure_graph_work()
+        loaded.threads_note += (f"; a compiled step's attention call on {n} threads from "
+                                f"{kernels.WIDE_GRAPH_WORK:,} (pairs x entries x (rows + 3), measured)")
     return loaded.threads_note
 
 

@@ -1,6 +1,7 @@
 """Decode attention (`sparsevid.kernels`): every backend against a float64 reference, on the CPU
 (Triton through its interpreter) and, where there is one, on a CUDA device."""
 
+import json
 import os
 
 import pytest
@@ -238,3 +239,26 @@ def test_a_long_call_in_a_compiled_one_thread_step_runs_the_cpu_op_on_two_thread
     op, start = torch.ops.sparsevid.decode_attention, start.expand(2, 4).contiguous()
     assert torch.equal(long, op(q, k, v, start, 0.2, None)) and torch.equal(short, op(q2, k, v, start, 0.2, None))
     assert torch.equal(op(q, k, v, start, 0.2, None, 2, 0), op(q, k, v, start, 0.2, None, 0, 0))
+
+
+def test_the_two_thread_threshold_is_measured_once_per_machine_where_it_costs_least(monkeypatch, tmp_path):
+    """Where a compiled step's attention call starts to pay for a second thread depends on the CPU
+    (a 2-core Xeon with AVX-512: ~240,000; an AVX2-only EPYC: ~180,000): `measure_graph_work`
+    times one layer at a few lengths and row counts on one thread and on two, picks the threshold
+    that makes those calls cheapest in all, and keeps it beside the op's build, so a later process
+    reads it instead of measuring (never inside a timed run)."""
+    if not kernels.cpu_available():
+        pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
+    before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "BUILD_DIR", str(tmp_path))
+    try:
+        torch.set_num_threads(2)
+        work = kernels.measure_graph_work(reps=3)
+        saved = json.loads((tmp_path / "graph_work.json").read_text())
+        cost = lambda w: sum(many if c >= w else one for c, one, many in saved["cells"])  # noqa: E731
+        assert saved["work"] == work and saved["threads"] == 2
+        assert cost(work) == min(cost(c) for c, _, _ in saved["cells"])
+        monkeypatch.setattr(kernels, "threads", None)  # a second call measures nothing (it would fail)
+        assert kernels.measure_graph_work() == work
+    finally:
+        torch.set_num_threads(before)
