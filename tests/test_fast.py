@@ -194,7 +194,8 @@ def test_a_failed_compilation_falls_back_to_eager_and_says_so(tiny_loaded, eager
 
 def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monkeypatch):
     """The app's start-up thread compiles every method's steps (one method at a time under the run
-    lock), then runs go through the compiled steps and the comparison's JSON says so."""
+    lock), then runs go through the compiled steps and the comparison's JSON says so; a comparison
+    of several questions (one batch) then compiles nothing either."""
     from sparsevid.demo import backend, worker
 
     monkeypatch.setenv("SPARSEVID_COMPILE", "on")
@@ -212,6 +213,10 @@ def test_the_app_compiles_in_the_background_and_reports_it(tiny_model_dir, monke
     write_video(path, clip(8), fps=4)
     out = worker.compare_json(path, "what colour is the object ?", folder, 8, ["std"], {"k": "0.25"}, 12)
     assert out["compile"].startswith("compiled") and loaded.fast.calls > calls
+    before = graphs()  # several questions: their batch steps were compiled in the background too
+    out = worker.compare_json(path, "what colour is the object ?\nwhat shape is the object ?", folder, 8, ["std"],
+                              {"k": "0.25"}, 12)
+    assert len(out["batch"]) == 2 and graphs() == before
     backend.get_model.cache_clear()
 
 

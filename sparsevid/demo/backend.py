@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import SparsevidError
 from ..methods import METHODS
 from ..models import EMBEDDED_NAME, KNOWN_CHECKPOINTS, Loaded, load_model
-from ..runs import compile_steps, figures, run_method
+from ..runs import compile_steps, figures, run_method, warm_rows
 from .config import settings_from
 
 log = logging.getLogger("sparsevid.demo")
@@ -137,7 +137,9 @@ class Startup:
 
 def compile_in_background(name: str | None = None, broken=()) -> threading.Thread | None:
     """Compile model `name`'s decode steps (`runs.compile_steps`) in a daemon thread: one method at a time
-    under RUN_LOCK, the app's runs eager in between and until it is done. $SPARSEVID_COMPILE: auto
+    under RUN_LOCK, the app's runs eager in between and until it is done; then (where compiled steps
+    were kept) each method's batch steps (`runs.warm_rows` on two rows: one graph serves every batch
+    size), so the first comparison of several questions does not compile them (~11 s on 2 cores). $SPARSEVID_COMPILE: auto
     (default: kept where it measures faster), on, or off (also off on ZeroGPU, where the GPU is
     lent per request). Returns the thread, or None when off."""
     from .. import fast
@@ -157,6 +159,9 @@ def compile_in_background(name: str | None = None, broken=()) -> threading.Threa
             names = [m for m in METHODS if m != "dense" and m not in broken]
             settings = dict(settings_from(), k="0.25")  # every draft selects: its step kind gets compiled
             log.info("decode steps of %s: %s", loaded.name, compile_steps(loaded, inputs, names, settings, lock=RUN_LOCK))
+            for method in ["dense", *names]:  # several questions decode as one batch: its steps' graphs too
+                with RUN_LOCK:
+                    warm_rows(loaded, [inputs, inputs], [method], settings, 12)
         except Exception:  # noqa: BLE001 - the app goes on eager
             log.exception("compiling the decode steps failed; the app stays eager")
 
