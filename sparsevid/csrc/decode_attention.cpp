@@ -42,8 +42,14 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPARSEVID_AVX2 1
+#if defined(__AVX512F__)
+#define SPARSEVID_AVX512 1
 #else
-#define SPARSEVID_AVX2 0
+#define SPARSEVID_AVX512 0
+#endif
+#else
+#define SPARSEVID_AVX2 0  // and no AVX-512 paths either (a CPU without AVX2, another architecture)
+#define SPARSEVID_AVX512 0
 #endif
 
 namespace {
@@ -52,20 +58,22 @@ constexpr int64_t TILE = 64;    // keys scored at once (one row's scores: 4 AVX-
 constexpr int64_t SPLIT = 512;  // keys per item: ~100 KB of K and V at head dim 24
 constexpr int64_t DMAX = 256;   // the largest head dim
 
-// e^x for x <= 0, exactly 0 below -87 (and for -inf: a masked entry), ~1 ulp elsewhere; branch-free
-// so the loops around it vectorize (libm's expf does not without -ffast-math).
+// e^x for x <= 0 (`exp_neg` and its 8- and 16-lane versions, one method): n = round(x / ln 2),
+// r = x - n ln 2 (ln 2 in two parts), e^r by a degree-7 polynomial (Horner over EXP_P, then
+// p r^2 + r + 1), times 2^n; exactly 0 below EXP_FLOOR (and for -inf: a masked entry), ~1 ulp elsewhere.
+constexpr float EXP_FLOOR = -87.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = 2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// Scalar and branch-free, so the loops around it vectorize (libm's expf does not without -ffast-math).
 inline float exp_neg(float x) {
-  const bool zero = !(x > -87.0f);
+  const bool zero = !(x > EXP_FLOOR);
   x = zero ? 0.0f : x;
   // n = round(x / ln 2) by adding and removing 1.5 * 2^23 (vectorizes; std::nearbyint does not)
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = (x * LOG2E + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * LN2_HI) + n * LN2_LO;
+  float p = EXP_P[0];
+  for (int i = 1; i < 6; ++i) p = p * r + EXP_P[i];
   p = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -132,8 +140,7 @@ inline void transpose_avx2(const float* kb, int64_t kstride, int64_t D, float* k
   }
 }
 
-#if SPARSEVID_AVX2 && defined(__AVX512F__)
-#define SPARSEVID_AVX512 1
+#if SPARSEVID_AVX512
 // One row's scores over a transposed tile kt [D, TILE], 16 keys per vector: for many rows (a
 // verification) the transposition is shared and a score takes a quarter of `score_avx2`'s vector
 // operations. The same operations in the same order per score as `score_avx2` (lane l's chain over
@@ -185,18 +192,14 @@ inline void score_t512x4(const float* q, const float* kt, int64_t D, float* s) {
 
 // `exp_neg` of 16 lanes: the same method, the power of two by `scalef`.
 inline __m512 exp_neg512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);  // not -inf, not NaN
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_GT_OQ);  // not -inf, not NaN
   x = _mm512_maskz_mov_ps(live, x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(live, p, n);
 }
@@ -276,24 +279,17 @@ inline void accumulate512(float* o, const float* alpha, const float* p, const fl
     if (Y) _mm256_storeu_ps(o + i * DC + 16 * Z, _mm256_add_ps(b0[i], b1[i]));
   }
 }
-#else
-#define SPARSEVID_AVX512 0
 #endif
 
 // `exp_neg` of 8 lanes (AVX2 without AVX-512): the same method, the power of two built from its bits.
 inline __m256 exp_neg256(__m256 x) {
-  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);  // not -inf, not NaN
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_FLOOR), _CMP_GT_OQ);  // not -inf, not NaN
   x = _mm256_and_ps(live, x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
