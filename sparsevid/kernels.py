@@ -184,7 +184,7 @@ WIDE_MIN = 100_000
 # Inside a compiled step on fewer threads (no switch there), the CPU op runs its own items on
 # WIDE_THREADS where the call is long enough to pay for waking them: (sequence, KV head) pairs x
 # entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK. Where that lies depends on the CPU,
-# so it is measured once per machine (`measure_graph_work`, ~0.2 s, kept beside the op's build).
+# so it is measured once per machine (`measure_graph_work`, ~0.3 s, kept beside the op's build).
 # One layer of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread
 # against two (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second):
 # - 2-core Xeon (AVX-512): 4,608 entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216
@@ -192,8 +192,8 @@ WIDE_MIN = 100_000
 #   1 token 0.61 vs 0.50: two threads pay from ~240,000;
 # - 2-core AMD EPYC (AVX2 only: a row's scores and softmax cost more per entry read): 4,700 entries,
 #   1 token 0.19 vs 0.22 ms, 2 tokens 0.34 vs 0.28, 4 tokens 0.66 vs 0.48; 2,300 entries, 4 tokens
-#   0.32 vs 0.38, 7 tokens 0.56 vs 0.49: two threads pay from ~110,000 (measured: `bench
-#   --verify-kernels` prints this machine's).
+#   0.32 vs 0.38, 7 tokens 0.56 vs 0.49: measured 182,400-211,200 (`bench --verify-kernels` prints
+#   this machine's).
 WIDE_GRAPH_WORK: int | None = None  # None: not measured yet in this process
 GRAPH_WORK_DEFAULT = 240_000  # where it cannot be measured
 
@@ -207,8 +207,10 @@ def measure_graph_work(reps: int = 15) -> int:
     import statistics
     import time
 
-    path = os.path.join(BUILD_DIR or "", "graph_work.json")
     n_threads = torch.get_num_threads()
+    if n_threads < 2 or not cpu_available():  # (loads the op: BUILD_DIR, where the measurement is kept)
+        return GRAPH_WORK_DEFAULT
+    path = os.path.join(BUILD_DIR, "graph_work.json")
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -216,8 +218,6 @@ def measure_graph_work(reps: int = 15) -> int:
             return int(saved["work"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    if n_threads < 2 or not cpu_available():
-        return GRAPH_WORK_DEFAULT
     op, Hkv, G, D = torch.ops.sparsevid.decode_attention, 4, 2, 24
     gen = torch.Generator().manual_seed(0)
     cells = []  # (work, one thread s, n_threads s)

@@ -139,7 +139,8 @@ def compile_in_background(name: str | None = None, broken=()) -> threading.Threa
     """Compile model `name`'s decode steps (`runs.compile_steps`) in a daemon thread: one method at a time
     under RUN_LOCK, the app's runs eager in between and until it is done; then (where compiled steps
     were kept) each method's batch steps (`runs.warm_rows` on two rows: one graph serves every batch
-    size), so the first comparison of several questions does not compile them (~11 s on 2 cores). $SPARSEVID_COMPILE: auto
+    size), so the first comparison of several questions does not compile them (11-65 s on 2 cores with
+    a cold compile cache). $SPARSEVID_COMPILE: auto
     (default: kept where it measures faster), on, or off (also off on ZeroGPU, where the GPU is
     lent per request). Returns the thread, or None when off."""
     from .. import fast
