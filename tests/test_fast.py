@@ -307,6 +307,9 @@ def test_bench_shape_rounds_decodes_batches_of_a_real_shape_losslessly(capsys):
     assert all(r["rows"] == 2 and r["visual_tokens"] == 512 and r["identical_to_dense"] for r in rows)
     assert all(r["dense_tok_s"] > 0 and r["tok_s"] > 0 and r["acceptance"] is not None for r in rows)
     assert all(1 <= r["tokens_per_round"] <= 4 for r in rows)
+    # dense's bound at batch 2 against batch 1: the weights read once, the KV twice; and a read of those bytes
+    assert "bytes_bound" not in rows[0] and 1 < rows[1]["bytes_bound"] < 2
+    assert rows[1]["read_bound"] > 0 and rows[1]["read_ms"] > 0 and rows[1]["step_mb"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
