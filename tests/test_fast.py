@@ -59,6 +59,33 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
     assert loaded.fast.calls - calls >= 4 * 2 * 19  # every run's decode steps went through the graph
 
 
+def test_two_models_compiled_side_by_side_each_run_their_own_graphs(tiny_loaded, tmp_path, eager_after):
+    """Each model compiles its own copy of the step, without guards on its modules: two models whose
+    caches have the same shapes (only their MLPs differ, which no unguarded input shows) compiled in
+    one process, their runs alternating, each give their own eager tokens (a graph of one never
+    serves the other)."""
+    from sparsevid.models import load_model
+    from sparsevid.tiny import make_tiny_model
+
+    a = tiny_loaded("qwen2_vl")
+    b = load_model(make_tiny_model("qwen2_vl", str(tmp_path), seed=1, intermediate_size=256),
+                   device="cpu", dtype="float32")
+    models = {"a": a, "b": b}
+    inputs = {k: m.adapter.build_inputs(clip(8), "what colour is the object ?") for k, m in models.items()}
+    ignore = Sampling(ignore_eos=True)
+    eager = {(k, n): run_method(m, inputs[k], n, SETTINGS, 10, ignore).token_ids
+             for k, m in models.items() for n in ("dense", "std")}
+    assert eager["a", "dense"] != eager["b", "dense"]
+    for k, m in models.items():
+        fast.enable(m, "on")
+    for _ in range(2):
+        for k, m in models.items():
+            for n in ("dense", "std"):
+                res = run_method(m, inputs[k], n, SETTINGS, 10, ignore)
+                assert res.token_ids == eager[k, n] and res.fast_steps > 0, (k, n)
+    assert a.fast.compiled is not b.fast.compiled
+
+
 def test_a_model_once_asked_for_its_attentions_still_compiles_each_step_as_one_graph(tiny_loaded, eager_after):
     """transformers hooks a model's layers the first time a call asks for hidden states or attentions;
     the hooks read a ContextVar, which dynamo cannot trace. The step switches them off: no graph
