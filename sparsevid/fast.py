@@ -353,14 +353,19 @@ class FastSteps:
             import torch._inductor.config as inductor_config
 
             inductor_config.cpp_wrapper = True
-            # This model's own copy of the step's code: dynamo keeps graphs and guards per code object,
-            # so no other model's graph can ever serve this one's steps. That makes it safe to drop the
-            # guards on the model's modules (their parameters and attributes, ~0.15 ms of each step's
-            # guard check): a loaded model's weights and modules never change, and every tensor a
-            # step reads or writes besides them (buffers, ids, positions, write positions) stays guarded.
-            own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__, static_step.__name__)
-            self.compiled = torch.compile(own, options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            # This model's own copy of the step's code, kept on the model (a later `enable` of the same
+            # model reuses its graphs): dynamo keeps graphs and guards per code object, so no other
+            # model's graph can ever serve this one's steps. That makes it safe to drop the guards on
+            # the model's modules (their parameters and attributes, ~0.1 ms of each step's guard
+            # check): a loaded model's weights and modules never change, and every tensor a step
+            # reads or writes besides them (buffers, ids, positions, write positions) stays guarded.
+            self.compiled = getattr(self.model, "_sparsevid_step", None)
+            if self.compiled is None:
+                own = types.FunctionType(static_step.__code__.replace(), static_step.__globals__,
+                                         static_step.__name__)
+                self.compiled = torch.compile(own, options={
+                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                self.model._sparsevid_step = self.compiled
         return self.compiled
 
     def step(self, bufs, start: torch.Tensor, input_ids: torch.Tensor,
