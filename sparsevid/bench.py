@@ -309,31 +309,21 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
     return rows
 
 
-def step_bytes(loaded, inputs: list, max_new_tokens: int) -> int:
-    """Bytes a dense decode step of these rows reads at mid-answer: the language model's weights
-    once (its layers, final norm and LM head; one embedding row is nothing) and each row's KV."""
+def step_bytes(loaded, inputs: list, max_new_tokens: int) -> tuple[int, list[int]]:
+    """Bytes a dense decode step of these rows reads at mid-answer: (the language model's weights,
+    read once: its layers, final norm and LM head, one embedding row being nothing; each row's KV)."""
     lm = getattr(loaded.model.model, "language_model", loaded.model.model)
     params = {id(p): p for mod in (lm.layers, lm.norm, loaded.model.lm_head) for p in mod.parameters()}
     weights = sum(p.numel() * p.element_size() for p in params.values())
     entry = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * torch.finfo(loaded.dtype).bits // 8
-    return weights + sum((x.m + max_new_tokens // 2) * entry for x in inputs)
+    return weights, [(x.m + max_new_tokens // 2) * entry for x in inputs]
 
 
-def read_seconds(nbytes: int, dev: torch.device, repeats: int = 9, most: int = 1 << 30) -> float:
+def read_seconds(nbytes: int, dev: torch.device, most: int = 1 << 30) -> float:
     """Seconds to read `nbytes` once at this machine's memory speed: a plain sum over a buffer that
-    size (torch's threads; beyond `most` bytes, that much, scaled), median of `repeats` after two
-    warm-up reads."""
+    size (torch's threads; beyond `most` bytes, that much, scaled), timed by `time_calls`."""
     x = torch.ones(max(1, min(nbytes, most) // 4), device=dev)
-    for _ in range(2):
-        x.sum()
-    times = []
-    for _ in range(repeats):
-        sync_device(dev)
-        t = time.perf_counter()
-        x.sum()
-        sync_device(dev)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * max(1.0, nbytes / most)
+    return time_calls(x.sum, dev, calls=1, repeats=9) * max(1.0, nbytes / most)
 
 
 def dense_batch_bound(loaded, inputs: list, max_new_tokens: int, B: int, dense1_tok_s: float) -> dict:
@@ -342,11 +332,11 @@ def dense_batch_bound(loaded, inputs: list, max_new_tokens: int, B: int, dense1_
     both at the same speed), and `read_bound`, batch B's tokens/s were its step only a read of its
     bytes (timed now, `read_seconds`) against batch 1's measured tokens/s. Where one row's bytes
     fit in a cache and B rows' do not, the second is the lower."""
-    nbytes = [step_bytes(loaded, [x], max_new_tokens) for x in inputs]
-    total = step_bytes(loaded, inputs, max_new_tokens)
+    weights, kv = step_bytes(loaded, inputs, max_new_tokens)
+    total = weights + sum(kv)
     read_s = read_seconds(total, loaded.device)
     return dict(step_mb=total / 1e6, read_ms=read_s * 1e3,
-                bytes_bound=B * statistics.median(nbytes) / total, read_bound=B / read_s / dense1_tok_s)
+                bytes_bound=B * (weights + statistics.median(kv)) / total, read_bound=B / read_s / dense1_tok_s)
 
 
 def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) -> int:
@@ -367,13 +357,12 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
         ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
         ("bound from step costs", "bound_speedup", "x"), ("share of bound", "bound_share", "pct")]
     print(markdown_table([c[0] for c in cols], [[cell(r.get(k), kind) for _, k, kind in cols] for r in rows]))
-    for r in rows:
-        if r["batch"] > 1 and r.get("bytes_bound") and r is next(x for x in rows if x["batch"] == r["batch"]):
-            print(f"dense at batch {r['batch']} vs batch 1 ({r.get('visual_tokens')} visual tokens): "
-                  f"{r['dense_vs_batch1']:.2f}x measured; bound if only bytes counted {r['bytes_bound']:.2f}x "
-                  f"(a step reads {r['step_mb']:.1f} MB: weights once, KV {r['batch']} times); "
-                  f"{r['read_bound']:.2f}x were a batch step only a read of its bytes at this machine's speed "
-                  f"({r['read_ms']:.2f} ms, {r['step_mb'] / r['read_ms']:.1f} GB/s) against batch 1 as measured")
+    for r in {r["batch"]: r for r in rows if r.get("bytes_bound")}.values():  # one line per batch size
+        print(f"dense at batch {r['batch']} vs batch 1 ({r.get('visual_tokens')} visual tokens): "
+              f"{r['dense_vs_batch1']:.2f}x measured; bound if only bytes counted {r['bytes_bound']:.2f}x "
+              f"(a step reads {r['step_mb']:.1f} MB: weights once, KV {r['batch']} times); "
+              f"{r['read_bound']:.2f}x were a batch step only a read of its bytes at this machine's speed "
+              f"({r['read_ms']:.2f} ms, {r['step_mb'] / r['read_ms']:.1f} GB/s) against batch 1 as measured")
     return 0
 
 
