@@ -235,7 +235,7 @@ def _select_and_store(run: Run, layer: int, query, key, value, scale):
     score_keys = getattr(policy, "score_keys", None)
     kept_key = score_keys(layer, key) if score_keys is not None else key  # the dense cache keeps `key`
     cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads,
-                                     bufs=cache.buffers, layer=layer))
+                                     bufs=cache.buffers, layer=layer, rows=cache.stacked_row))
     return sel, kept_key
 
 

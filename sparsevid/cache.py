@@ -243,10 +243,14 @@ class SparseKV:
     `qheads` [h_j G]), and a step makes one call per group (`fast.Split`); k, v, bias, lens are then None.
     The same entries, the same arithmetic per head. `merge()` puts them back in one buffer (a batch's
     `Stack` holds one buffer per layer).
+
+    `rows`: a batch's row (`KVCache.stacked_row`): k, v are then the row's place in the buffers the
+    batch will be stacked in (`StackRows`), wider than K_max + gen_capacity where the rows differ in
+    length, so stacking copies nothing.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, sel: LayerSelection, gen_capacity: int,
-                 num_heads: int, bufs: Buffers | None = None, layer=0, split: bool = True):
+                 num_heads: int, bufs: Buffers | None = None, layer=0, split: bool = True, rows=None):
         _, Hkv, m, D = keys.shape
         G = num_heads // Hkv
         dev = keys.device
@@ -277,8 +281,13 @@ class SparseKV:
             return
         self.lens = bufs.like(("sparse", layer, "lens"), torch.tensor(self.starts, device=dev))
         shape = (1, Hkv, K + gen_capacity, D)  # zeros: see `fast` (the unfilled tail is never read)
-        self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
-        self.v = bufs.zeros(("sparse", layer, "v"), shape, values.dtype, dev)
+        # a batch's row: its place in the buffer the rows will be stacked in (`StackRows`), else its own
+        self.k = None if rows is None else rows(("stack", layer, "sk"), keys, K + gen_capacity)
+        if self.k is not None:
+            self.v = rows(("stack", layer, "sv"), values, K + gen_capacity)
+        else:
+            self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
+            self.v = bufs.zeros(("sparse", layer, "v"), shape, values.dtype, dev)
         for h, idx in enumerate(sel.keep):
             idx = idx.to(dev)
             self.k[0, h, :len(idx)] = keys[0, h].index_select(0, idx)
@@ -378,10 +387,9 @@ class LayerKV(CacheLayerMixin):
         _, Hkv, _, D = key_states.shape
         shape = (1, Hkv, self.owner.capacity, D)
         bufs = self.owner.buffers  # zeros: the steps (`fast`) mask, never read, the tail
-        if self.owner.reserved is not None:  # its row of the buffers the rows will be stacked in
-            rows, b = self.owner.reserved
-            self.keys = rows.row(("stack", self.idx, "k"), b, key_states)
-            self.values = rows.row(("stack", self.idx, "v"), b, value_states)
+        self.keys = self.owner.stacked_row(("stack", self.idx, "k"), key_states)
+        if self.keys is not None:  # its row of the buffers the rows will be stacked in
+            self.values = self.owner.stacked_row(("stack", self.idx, "v"), value_states)
         else:
             self.keys = bufs.zeros(("dense", self.idx, "k"), shape, key_states.dtype, key_states.device)
             self.values = bufs.zeros(("dense", self.idx, "v"), shape, value_states.dtype, value_states.device)
@@ -460,6 +468,14 @@ class KVCache(Cache):
         else:
             self.sparse_len += n
 
+    def stacked_row(self, name, like: torch.Tensor, need: int | None = None) -> torch.Tensor | None:
+        """This cache's row of buffer `name` of the batch it will be stacked with (`StackRows`), or
+        None (not reserved, or a compact buffer needing `need` entries where the row has fewer)."""
+        if self.reserved is None:
+            return None
+        rows, b = self.reserved
+        return rows.row(name, b, like, need)
+
     def finish_prefill(self, m: int) -> None:
         self.prompt_len = self.dense_len = self.sparse_len = m
         if not self.store_dense:
@@ -497,14 +513,20 @@ class KVCache(Cache):
 
 
 class StackRows:
-    """The dense buffers of caches that will be decoded together, allocated before their prefills in
-    the stack's layout ([B, Hkv, max capacity, D] per layer, K and V: `Stack`'s names and shapes), so
-    each prefill writes its KV into its own row and stacking them copies nothing: the copy cost
-    25-27 ms of a 500-ms batch decode (8 rows of 4,650 tokens, 115 MB, on 2 CPU cores). A row is
-    zeroed as its cache first writes (the tail is masked, never uninitialised memory), so each
-    prefill pays for its own row. The stack adopts the buffers where it stacks exactly these caches
-    in this order (`Stack.__init__`); otherwise (a row ended at its first token) it copies as
-    before, and the buffers go back once no cache uses them."""
+    """The buffers of caches that will be decoded together, allocated before their prefills in the
+    stack's layout (`Stack`'s names and shapes: per layer [B, Hkv, width, D], K and V, dense and
+    compact), so each prefill writes its KV into its own row and stacking them copies nothing: the
+    copy cost 25-27 ms of a 500-ms batch decode (8 rows of 4,650 tokens, 115 MB, on 2 CPU cores), and
+    StD's compact draft caches another 9-12 ms at the batch's first round. A dense buffer is as wide
+    as the longest row's capacity; a compact one is sized at its first row's selection, K_max +
+    room for generated tokens, plus the difference between the longest row's capacity and that
+    row's (a top-K keeps K entries in every row, a policy keeping a share of the prompt keeps more
+    in a longer row); a row whose selection needs more keeps its own buffer, and that layer is
+    stacked by copying. A row is zeroed as its cache first writes (the tail is masked, never
+    uninitialised memory), so each prefill pays for its own row. The stack adopts the buffers where
+    it stacks exactly these caches in this order (`Stack.__init__`), each buffer whose every row is
+    in place; otherwise (a row ended at its first token) it copies as before, and the buffers go
+    back once no cache uses them."""
 
     def __init__(self, caches: list[KVCache], pool: BufferPool | None = None):
         self.caches, self.buffers = list(caches), Buffers(pool)
@@ -513,28 +535,31 @@ class StackRows:
         for b, c in enumerate(caches):
             c.reserved = (self, b)
 
-    def row(self, name, b: int, like: torch.Tensor) -> torch.Tensor:
-        """Row b [1, Hkv, width, D] (zeroed) of buffer `name`, allocated at its first row."""
+    def row(self, name, b: int, like: torch.Tensor, need: int | None = None) -> torch.Tensor | None:
+        """Row b [1, Hkv, width, D] (zeroed) of buffer `name`, allocated at its first row: a dense
+        buffer (`need` None) as wide as the widest cache, a compact one needing `need` entries as
+        described above; None where row b needs more entries than the buffer has."""
         t = self.tensors.get(name)
         if t is None:
-            shape = (len(self.caches), like.shape[1], self.width, like.shape[3])
+            width = self.width if need is None else need + self.width - self.caches[b].capacity
+            shape = (len(self.caches), like.shape[1], width, like.shape[3])
             t = self.tensors[name] = self.buffers.empty(name, shape, like.dtype, like.device)
+        if need is not None and need > t.shape[2]:
+            return None
         return t[b:b + 1].zero_()
 
-    def adopt(self, caches: list[KVCache], buffers: Buffers) -> dict | None:
-        """Where `caches` are exactly these rows in order and every one wrote its rows: the tensors
-        {name: [B, Hkv, width, D]}, handed over to `buffers` (the stack's); else None."""
+    def adopt(self, caches: list[KVCache]) -> Buffers | None:
+        """Where `caches` are exactly these rows in order: the buffers {name: [B, Hkv, width, D]},
+        handed over (the stack takes each one whose rows are all in place and gives back the
+        others); else None."""
         if len(caches) != len(self.caches) or any(a is not b or a.reserved != (self, i) for i, (a, b) in
                                                   enumerate(zip(caches, self.caches))):
             return None
-        if not all(l.is_initialized for c in caches for l in c.layers):
-            return None
-        tensors, self.tensors = self.tensors, {}
-        buffers.taken.update(self.buffers.taken)  # with a pool: the stack gives them back
-        self.buffers.taken = {}
+        out = Buffers(self.buffers.pool)
+        out.taken, self.tensors, self.buffers.taken = self.tensors, {}, {}  # (with a pool: the same tensors)
         for c in caches:
             c.reserved = None
-        return tensors
+        return out
 
     def release_if_unused(self) -> None:
         if all(c.reserved is None or c.reserved[0] is not self for c in self.caches):
@@ -552,8 +577,8 @@ class Stack:
     A layer where some rows hold a compact cache and others read their dense one (their policy kept
     everything there) gets, for those rows, a compact copy of every entry (the same entries: the
     same attention), so every layer is one block. Stacking copies each row's KV once, except the
-    dense KV of rows prefilled into their places (`StackRows`); after rows end, `Stack(remaining
-    caches)` drops theirs (each row's cache keeps working on its own views).
+    KV (dense and compact) of rows prefilled into their places (`StackRows`); after rows end,
+    `Stack(remaining caches)` drops theirs (each row's cache keeps working on its own views).
 
     offsets(mode, layers): per row, where each block's heads write relative to the row's length
     ([B, slots]: dense 0; a compact cache K_h - prompt length)."""
@@ -563,7 +588,7 @@ class Stack:
         self.buffers = Buffers(pool)
         B = len(caches)
         reserved = caches[0].reserved[0] if caches[0].reserved is not None else None
-        adopted = reserved.adopt(caches, self.buffers) if reserved is not None else None  # KV in place
+        adopted = (reserved.adopt(caches) if reserved is not None else None) or Buffers(pool)  # KV in place
         self.dense: list[tuple | None] = []
         # per layer: (k, v, bias, scale, width, offsets [B, width]) of the stacked compact caches, or None
         self.sparse: list[tuple | None] = []
@@ -571,8 +596,11 @@ class Stack:
             rows = [c.layers[i] for c in caches]
             if any(r.sparse is not None for r in rows):
                 sps = [self._compact(c, r) for c, r in zip(caches, rows)]
-                k = self._buffer(("stack", i, "sk"), [s.k for s in sps])
-                v = self._buffer(("stack", i, "sv"), [s.v for s in sps])
+                k = self._in_place(adopted, ("stack", i, "sk"), [s.k for s in sps])
+                v = self._in_place(adopted, ("stack", i, "sv"), [s.v for s in sps])
+                if k is None or v is None:
+                    k = self._buffer(("stack", i, "sk"), [s.k for s in sps])
+                    v = self._buffer(("stack", i, "sv"), [s.v for s in sps])
                 Hkv, G = k.shape[1], num_heads // k.shape[1]
                 bias = scale = None
                 if any(s.bias is not None for s in sps):
@@ -584,15 +612,18 @@ class Stack:
                 self.sparse.append((k, v, bias, scale, width, offsets))
             else:
                 self.sparse.append(None)
-            if adopted:
-                self.dense.append((adopted[("stack", i, "k")], adopted[("stack", i, "v")]))
-            elif all(r.is_initialized for r in rows):
-                self.dense.append((self._buffer(("stack", i, "k"), [r.keys for r in rows]),
-                                   self._buffer(("stack", i, "v"), [r.values for r in rows])))
+            if all(r.is_initialized for r in rows):
+                k = self._in_place(adopted, ("stack", i, "k"), [r.keys for r in rows])
+                v = self._in_place(adopted, ("stack", i, "v"), [r.values for r in rows])
+                if k is None or v is None:
+                    k = self._buffer(("stack", i, "k"), [r.keys for r in rows])
+                    v = self._buffer(("stack", i, "v"), [r.values for r in rows])
+                self.dense.append((k, v))
             else:
                 self.dense.append(None)
         for b, c in enumerate(caches):
             self._put(b, c)
+        adopted.release()  # the reserved buffers not taken (their rows are copied now)
         for c in caches:  # stacked by copying: the reserved rows are no longer read
             if c.reserved is not None:
                 rows, c.reserved = c.reserved[0], None
@@ -600,6 +631,15 @@ class Stack:
         self.blocks: dict = {}
 
     MOVED = ("dense", "k"), ("dense", "v"), ("sparse", "k"), ("sparse", "v"), ("sparse", "bias"), ("sparse", "scale")
+
+    def _in_place(self, adopted: Buffers, name, rows: list[torch.Tensor]) -> torch.Tensor | None:
+        """The reserved buffer `name` (taken over from `adopted`) where every row [1, Hkv, n, D] is
+        its own row of it (prefilled in place, `StackRows`), else None."""
+        t = adopted.taken.get(name)
+        if t is None or any(r.data_ptr() != t[b].data_ptr() or r.shape[2] != t.shape[2] for b, r in enumerate(rows)):
+            return None
+        self.buffers.taken[name] = adopted.taken.pop(name)
+        return t
 
     def _buffer(self, name, rows: list[torch.Tensor]) -> torch.Tensor:
         """[B, Hkv, max n_b, D] for rows [1, Hkv, n_b, D] (filled by `_put`)."""
@@ -652,7 +692,8 @@ class Stack:
             if self.sparse[i] is not None:
                 k, v, bias, scale, width, offsets = self.sparse[i]
                 s = self._compact(c, r)
-                s.k, s.v = self._copy(k, b, s.k), self._copy(v, b, s.v)
+                if s.k.data_ptr() != k[b].data_ptr():  # else already in place (`StackRows`)
+                    s.k, s.v = self._copy(k, b, s.k), self._copy(v, b, s.v)
                 if bias is not None:
                     bias[b] = 0
                     if s.bias is not None:

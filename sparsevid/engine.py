@@ -342,15 +342,13 @@ class _Rows:
 
     def admit(self) -> list[int]:
         """Prefill waiting prompts while fewer than `width` rows are live (the first call: the first
-        `width` prompts, whose dense caches are reserved in the stack's layout first: `cache.StackRows`,
+        `width` prompts, whose caches are reserved in the stack's layout first: `cache.StackRows`,
         so their prefills write where the batch's steps read); the live rows."""
         if not self.live and len(self.waiting) == len(self.inputs) and self.width > 1:
             first = self.waiting[:self.width]
             for b in first:
                 self.runs[b] = self.make_run(self.inputs[b])
-            caches = [self.runs[b].cache for b in first]
-            if all(c.store_dense for c in caches):
-                StackRows(caches, self.loaded.pool)
+            StackRows([self.runs[b].cache for b in first], self.loaded.pool)
         while len(self.live) < self.width and (b := self.join()) is not None:
             self.live.append(b)
         return self.live
