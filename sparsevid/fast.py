@@ -41,7 +41,9 @@ runtime wrapper, the rest the graph. Each model compiles its own copy of the ste
 the guards on its modules (`FastSteps.compiled_step`): the check fell from 194 to 85 µs a step
 (profiled, 256 frames), a dense step at 16 frames 1.10x faster (15 interleaved pairs). Skipping all
 guards (`set_stance(skip_guard_eval_unsafe=True)`) was not taken: a step kind not compiled yet
-could then run another kind's graph.
+could then run another kind's graph. Only the sizes this module marks dynamic are symbolic (no
+automatic dynamism: it made the second step kind's block slots symbolic, 8 more size arguments a
+step; HT-Sparse and SparseMM at 288 visual tokens 0.95x of dense with them, 1.01x without).
 """
 
 from __future__ import annotations
@@ -350,6 +352,13 @@ class FastSteps:
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             fx_config.use_duck_shape = False  # two buffers of equal capacity in one run must not share a size
+            # Only the sizes marked dynamic (`buffers`, `step`: capacities, a verification's rows, a batch's rows)
+            # are: with dynamo's automatic dynamism the second step kind compiled made every block's write slot
+            # and width (Python ints) symbolic, so a per-head step (HT-Sparse, SparseMM) or a draft step took
+            # 16 size arguments against a dense step's 8, each converted to a tensor and guarded at every
+            # call: at 288 visual tokens HT-Sparse and SparseMM decoded at 0.955x and 0.950x of dense, and at
+            # 1.006x and 1.009x without it (15 interleaved runs of each, two models in one process).
+            torch._dynamo.config.automatic_dynamic_shapes = False
             import torch._inductor.config as inductor_config
 
             inductor_config.cpp_wrapper = True
