@@ -59,6 +59,28 @@ def test_compiled_steps_give_eager_tokens_and_never_recompile_after_warm_up(tiny
     assert loaded.fast.calls - calls >= 4 * 2 * 19  # every run's decode steps went through the graph
 
 
+@pytest.mark.filterwarnings("ignore:SparseMM")
+def test_per_head_steps_keep_their_block_slots_constant(tiny_loaded, eager_after):
+    """Only the sizes `fast` marks dynamic are symbolic in a compiled step. With dynamo's automatic
+    dynamism, the step kind compiled after the dense one made every block's write slot and width
+    symbolic: a per-head step (HT-Sparse, SparseMM) took 16 size arguments against dense's 8, each
+    converted and guarded at every call (at 288 visual tokens both ran at 0.95x of dense for it).
+    Read from dynamo's guards on the compiled step (a slot guarded equal to its value is a
+    constant of the graph; a symbolic one is guarded only as an int)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    loaded = tiny_loaded("qwen2_vl")
+    x = loaded.adapter.build_inputs(clip(8), "what colour is the object ?")
+    settings = {"heads_full": "0.25", "heads_sparse": "0.5", "eta": "0.5", "ht_layers": "all",
+                "budget": "0.3", "window": "4"}
+    fast.enable(loaded, "on")
+    assert "compiled" in compile_steps(loaded, x, ("dense", "htsparse", "sparsemm"), settings)
+    assert loaded.fast.per_head_calls > 0  # per-head layouts went through the graph
+    code = loaded.fast.compiled_step()._torchdynamo_orig_callable.__code__
+    guards = [p for e in _debug_get_cache_entry_list(code) for p in e.guard_manager.code_parts if "].slot" in p]
+    assert guards and all(re.search(r"\]\.slot == \d+$", p) for p in guards), guards
+
+
 def test_two_models_compiled_side_by_side_each_run_their_own_graphs(tiny_loaded, tmp_path, eager_after):
     """Each model compiles its own copy of the step, without guards on its modules: two models whose
     caches have the same shapes (only their MLPs differ, which no unguarded input shows) compiled in
