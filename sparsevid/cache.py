@@ -596,11 +596,7 @@ class Stack:
             rows = [c.layers[i] for c in caches]
             if any(r.sparse is not None for r in rows):
                 sps = [self._compact(c, r) for c, r in zip(caches, rows)]
-                k = self._in_place(adopted, ("stack", i, "sk"), [s.k for s in sps])
-                v = self._in_place(adopted, ("stack", i, "sv"), [s.v for s in sps])
-                if k is None or v is None:
-                    k = self._buffer(("stack", i, "sk"), [s.k for s in sps])
-                    v = self._buffer(("stack", i, "sv"), [s.v for s in sps])
+                k, v = self._kv(adopted, i, "s", [s.k for s in sps], [s.v for s in sps])
                 Hkv, G = k.shape[1], num_heads // k.shape[1]
                 bias = scale = None
                 if any(s.bias is not None for s in sps):
@@ -613,12 +609,7 @@ class Stack:
             else:
                 self.sparse.append(None)
             if all(r.is_initialized for r in rows):
-                k = self._in_place(adopted, ("stack", i, "k"), [r.keys for r in rows])
-                v = self._in_place(adopted, ("stack", i, "v"), [r.values for r in rows])
-                if k is None or v is None:
-                    k = self._buffer(("stack", i, "k"), [r.keys for r in rows])
-                    v = self._buffer(("stack", i, "v"), [r.values for r in rows])
-                self.dense.append((k, v))
+                self.dense.append(self._kv(adopted, i, "", [r.keys for r in rows], [r.values for r in rows]))
             else:
                 self.dense.append(None)
         for b, c in enumerate(caches):
@@ -632,14 +623,18 @@ class Stack:
 
     MOVED = ("dense", "k"), ("dense", "v"), ("sparse", "k"), ("sparse", "v"), ("sparse", "bias"), ("sparse", "scale")
 
-    def _in_place(self, adopted: Buffers, name, rows: list[torch.Tensor]) -> torch.Tensor | None:
-        """The reserved buffer `name` (taken over from `adopted`) where every row [1, Hkv, n, D] is
-        its own row of it (prefilled in place, `StackRows`), else None."""
-        t = adopted.taken.get(name)
-        if t is None or any(r.data_ptr() != t[b].data_ptr() or r.shape[2] != t.shape[2] for b, r in enumerate(rows)):
-            return None
-        self.buffers.taken[name] = adopted.taken.pop(name)
-        return t
+    def _kv(self, adopted: Buffers, i: int, kind: str, ks: list, vs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's stacked K and V [B, Hkv, N, D] (`kind` "" dense, "s" compact) for rows [1, Hkv, n_b, D]:
+        the reserved buffers, taken over from `adopted`, where every row of both is its own row of
+        them (prefilled in place, `StackRows`), else new ones that `_put` fills."""
+        names = ("stack", i, kind + "k"), ("stack", i, kind + "v")
+        ts = [adopted.taken.get(n) for n in names]
+        if all(t is not None and all(r.data_ptr() == t[b].data_ptr() and r.shape[2] == t.shape[2]
+                                     for b, r in enumerate(rows)) for t, rows in zip(ts, (ks, vs))):
+            for n in names:
+                self.buffers.taken[n] = adopted.taken.pop(n)
+            return ts[0], ts[1]
+        return self._buffer(names[0], ks), self._buffer(names[1], vs)
 
     def _buffer(self, name, rows: list[torch.Tensor]) -> torch.Tensor:
         """[B, Hkv, max n_b, D] for rows [1, Hkv, n_b, D] (filled by `_put`)."""

@@ -352,12 +352,9 @@ class FastSteps:
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             fx_config.use_duck_shape = False  # two buffers of equal capacity in one run must not share a size
-            # Only the sizes marked dynamic (`buffers`, `step`: capacities, a verification's rows, a batch's rows)
-            # are: with dynamo's automatic dynamism the second step kind compiled made every block's write slot
-            # and width (Python ints) symbolic, so a per-head step (HT-Sparse, SparseMM) or a draft step took
-            # 16 size arguments against a dense step's 8, each converted to a tensor and guarded at every
-            # call: at 288 visual tokens HT-Sparse and SparseMM decoded at 0.955x and 0.950x of dense, and at
-            # 1.006x and 1.009x without it (15 interleaved runs of each, two models in one process).
+            # Only the sizes marked dynamic (`buffers`, `step`) are symbolic: automatic dynamism made the second
+            # step kind's block slots and widths symbolic, 8 more size arguments converted and guarded at every
+            # call (HT-Sparse and SparseMM at 288 visual tokens 0.955x / 0.950x of dense, 1.006x / 1.009x without)
             torch._dynamo.config.automatic_dynamic_shapes = False
             import torch._inductor.config as inductor_config
 
