@@ -8,6 +8,7 @@ sparse draft step and a γ+1 verification over 4k–32k visual tokens.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -66,6 +67,33 @@ def add_arguments(p) -> None:
                         "does (--repeats pairs), the two decode speedups side by side")
     p.add_argument("--ignore-eos", action="store_true", help="decode exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true")
+
+
+def cpu_stolen_s() -> float | None:
+    """CPU seconds the hypervisor has given other guests so far, all CPUs (Linux `/proc/stat`'s steal
+    column), or None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def stolen_pct(since: tuple[float | None, float]) -> float | None:
+    """The share of this machine's CPU time stolen by other guests since `since` = (`cpu_stolen_s()`,
+    `time.perf_counter()`), in %: on a shared VM, where a benchmark's single runs move by 15 % or more,
+    this says how much of that was the host's, not the method's."""
+    stolen0, t0 = since
+    stolen = cpu_stolen_s()
+    if stolen0 is None or stolen is None:
+        return None
+    return 100 * (stolen - stolen0) / ((time.perf_counter() - t0) * (os.cpu_count() or 1))
+
+
+def print_stolen(pct: float | None) -> None:
+    if pct is not None:
+        print(f"CPU time stolen by other guests of this machine's host during the bench: {pct:.1f} %"
+              f"{' (its figures are noisier than usual)' if pct >= 2 else ''}")
 
 
 def bench_clip(frames: int, video: str | None, question: str | None):
@@ -158,6 +186,7 @@ def bench_main(args) -> int:
     if str(args.batch) != "1":
         return batch_bench(args, loaded, names, settings)
     compiled = []  # (eager dense step, compiled dense step, same tokens) per clip and repeat
+    since = cpu_stolen_s(), time.perf_counter()
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     decoding = Sampling(ignore_eos=args.ignore_eos)
     rows = []
@@ -197,12 +226,14 @@ def bench_main(args) -> int:
         bar.close()
     steps = compiled_rows(compiled)
     compile_state = state(loaded)
+    stolen = stolen_pct(since)
     if args.json:
         print(json.dumps(dict(model=loaded.name, device=str(loaded.device), settings=settings, repeats=args.repeats,
                               ignore_eos=args.ignore_eos, threads=torch.get_num_threads(), compile=compile_state,
-                              compiled_steps=steps, rows=rows)))
+                              compiled_steps=steps, rows=rows, cpu_stolen_pct=stolen)))
         return 0
     print(f"decode steps: {compile_state}")
+    print_stolen(stolen)
     print(format_table(rows))
     if steps:
         print()
@@ -223,6 +254,7 @@ def batch_bench(args, loaded, names: list, settings: dict) -> int:
     batches = batch_sizes(args)
     frame_counts = [int(f) for f in str(args.frames).split(",")]
     rows = []
+    since = cpu_stolen_s(), time.perf_counter()
     bar = tqdm(total=len(frame_counts) * len(batches) * batch_passes(names, args), desc="bench", file=sys.stderr)
     try:
         for n_frames in frame_counts:
@@ -231,7 +263,7 @@ def batch_bench(args, loaded, names: list, settings: dict) -> int:
             rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(frames=n_frames), bar)
     finally:
         bar.close()
-    return print_batch_rows(args, loaded, settings, rows)
+    return print_batch_rows(args, loaded, settings, rows, cpu_stolen_pct=stolen_pct(since))
 
 
 def batch_sizes(args) -> list[int]:
@@ -349,6 +381,7 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
     batches = ("compiled too" if fast is not None and fast.enabled and fast.batched
                else "eager" if loaded.device.type == "cpu" else "as batch 1")
     print(f"decode steps: {state(loaded)} (batches of more than one row: {batches})")
+    print_stolen(extra.get("cpu_stolen_pct"))
     first = [("frames", "frames", "g")] if "frames" in rows[0] else [("prompt", "seq", "g")]
     cols = first + [
         ("visual tokens", "visual_tokens", "g"), ("batch", "batch", "g"),
