@@ -52,6 +52,7 @@ def settings_from(args) -> dict:
 def cmd_run(args) -> int:
     from tqdm import tqdm
 
+    from .adapters import check_question
     from .engine import Sampling
     from .methods import check_settings, parse_methods
     from .models import load_model
@@ -61,6 +62,8 @@ def cmd_run(args) -> int:
 
     names = parse_methods(args.methods)
     settings = check_settings(settings_from(args))
+    for q in args.question:  # before the video and the model: a bad question is refused at once
+        check_question(q)
     if args.quiet or args.json:  # no progress bar at all, transformers' weight loading included
         from transformers.utils import logging as hf_logging
 

@@ -280,3 +280,13 @@ def test_run_with_several_questions_decodes_them_together(tiny_model_dir, tmp_pa
     for b in out["batch"]:
         assert b["methods"]["std"]["token_ids"] == b["methods"]["dense"]["token_ids"]
         assert b["methods"]["std"]["batch"] == 2
+
+
+def test_run_refuses_an_empty_question_before_loading_anything(tmp_path, capsys):
+    """`run VIDEO "" ...`: the question's error comes first, not the video's or the model's (the
+    command used to decode the video and load the model, ~15 s, before saying the question was empty)."""
+    from sparsevid import cli
+
+    assert cli.main(["run", str(tmp_path / "missing.mp4"), "what colour ?", "  ", "--model", "no/such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "question is empty" in err and "does not exist" not in err and "could not be loaded" not in err
