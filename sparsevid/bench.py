@@ -24,6 +24,7 @@ from .fast import enable, state
 from .methods import check_settings, parse_methods
 from .metrics import batch_bound
 from .models import load_model
+from .options import count, counts
 from .runs import dense_pair_s, figures, run_method, warm_up
 from .tables import cell, markdown_table
 
@@ -37,26 +38,26 @@ COST_FIELDS = ("prefill_flops_pct", "prefill_wall_pct", "prefill_kv_pct", "decod
 
 def add_arguments(p) -> None:
     """bench's own flags (the model and method flags come from the CLI)."""
-    p.add_argument("--frames", default="16,64,256", help="comma list of frame counts")
+    p.add_argument("--frames", type=counts, default="16,64,256", help="comma list of frame counts")
     p.add_argument("--video", default=None, help="video file (default: a synthetic long clip)")
     p.add_argument("--question", default=None)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=count, default=3)
     p.add_argument("--clips", type=int, default=0, help="held-out toy questions per frame count (accuracy and "
                    "medians over them; default: one synthetic narration clip)")
     p.add_argument("--types", default="narrate", help="for --clips: comma list of toy question types (narrate, "
                    "colour, shape, direction, count, when, describe); narrations give the decode phase the most "
                    "tokens")
     p.add_argument("--shape", default=None, help="mechanical benchmark at a real model's shape, e.g. qwen2-vl-7b")
-    p.add_argument("--visual-tokens", default=None, help="for --shape (default 4096,16384,32768) and "
+    p.add_argument("--visual-tokens", type=counts, default=None, help="for --shape (default 4096,16384,32768) and "
                    "--verify-kernels (default 4608,9216)")
-    p.add_argument("--layers", type=int, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
-    p.add_argument("--batch", default="1", help="comma list of batch sizes (the StD paper: 8): prompts decoded "
+    p.add_argument("--layers", type=count, default=None, help="for --shape: decoder layers (default: 2 on CPU, all on GPU)")
+    p.add_argument("--batch", type=counts, default="1", help="comma list of batch sizes (the StD paper: 8): prompts decoded "
                    "together (held-out toy clips of each --frames; batch 1 runs the same prompts one at a time); "
                    "with --shape: step costs at each")
     p.add_argument("--rounds", action="store_true", help="with --shape: real rounds (prefill, dense and each "
                    "method's decoding) of a whole model at the shape, random weights, on one random clip of --seq "
                    "visual tokens with --batch questions decoded together")
-    p.add_argument("--seq", default=None, help="for --shape: comma list of prompt lengths (visual tokens + 64 text "
+    p.add_argument("--seq", type=counts, default=None, help="for --shape: comma list of prompt lengths (visual tokens + 64 text "
                    "tokens), instead of --visual-tokens")
     p.add_argument("--verify-kernels", action="store_true", help="time the candidate ways to attend a step's or a "
                    "verification's rows over the whole cache (the embedded model's head shape, --visual-tokens) and "

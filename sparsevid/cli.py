@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from . import bench, evaluation  # noqa: E402
 from .errors import SparsevidError  # noqa: E402
 from .methods import METHODS, all_options  # noqa: E402
-from .options import add_arguments, values_from_args  # noqa: E402
+from .options import add_arguments, count, values_from_args  # noqa: E402
 
 
 def add_model_args(p: argparse.ArgumentParser, compile_default: str | None = "auto") -> None:
@@ -36,7 +36,7 @@ def add_model_args(p: argparse.ArgumentParser, compile_default: str | None = "au
 
 def add_method_args(p: argparse.ArgumentParser, methods_default: str = "dense") -> None:
     p.add_argument("--methods", default=methods_default, help=f"comma list of: {', '.join(METHODS)}")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="answer tokens at most (a narration of the "
+    p.add_argument("--max-new-tokens", type=count, default=96, help="answer tokens at most (a narration of the "
                    "embedded model: up to ~70)")
     add_arguments(p.add_argument_group("method settings (blank/absent: each method's default)"), all_options())
     p.add_argument("--temperature", type=float, default=0.0)
@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question", nargs="+", help="one question, or several: decoded together (batched decoding)")
     add_model_args(p, compile_default="off")
     add_method_args(p)
-    p.add_argument("--frames", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="passes of dense and every method; times are medians "
+    p.add_argument("--frames", type=count, default=16)
+    p.add_argument("--repeats", type=count, default=3, help="passes of dense and every method; times are medians "
                    "over them, the decode speedup the median of the passes' paired ratios (as the app's "
                    "SPARSEVID_TIMING_REPEATS)")
     p.add_argument("--json", action="store_true")
@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="SparseMM visual-head calibration (once per model; cached)")
     add_model_args(p, compile_default=None)
-    p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--samples", type=count, default=32)
+    p.add_argument("--max-new-tokens", type=count, default=48)
     p.add_argument("--source", choices=("auto", "text", "toy"), default="auto",
                    help="rendered text images, the embedded model's clips, or auto (toy for the embedded model)")
     p.add_argument("--out", default=None, help="output file (default: the cache file keyed by model and revision)")
@@ -213,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed by argparse: its exit code
+        return e.code if isinstance(e.code, int) else 2
     args.settings = settings_from(args)
     try:
         return args.func(args)

@@ -537,8 +537,10 @@ td,th{{border:1px solid #ccc;padding:4px 8px}}</style></head><body>
 
 def add_arguments(p) -> None:
     """eval's own flags (the model and method flags come from the CLI)."""
-    p.add_argument("--frames", type=int, default=16, help="frames sampled per clip (unless the item sets 'frames')")
-    p.add_argument("--batch", type=int, default=1, help="rows decoded together (batched decoding; the StD "
+    from .options import count
+
+    p.add_argument("--frames", type=count, default=16, help="frames sampled per clip (unless the item sets 'frames')")
+    p.add_argument("--batch", type=count, default=1, help="rows decoded together (batched decoding; the StD "
                    "paper: 8): items flow through N rows, the next joining as a row ends (continuous batching); "
                    "every method gives each item the answer of a batch of one")
     p.add_argument("--out", default="eval-out", help="output folder (results.jsonl, summary.json, report.*)")

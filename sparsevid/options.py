@@ -52,6 +52,29 @@ class Option:
         return self.label or self.key
 
 
+def count(text: str) -> int:
+    """A command-line type: a whole number >= 1 (`--frames 0` or `--max-new-tokens x` is a usage error
+    naming the flag, not a failure deep in a run)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
+    return n
+
+
+def counts(text: str) -> str:
+    """A command-line type: a comma list of whole numbers >= 1 ("16,256"), returned as given, spaces
+    dropped (its readers split it)."""
+    items = [t.strip() for t in str(text).split(",")]
+    for t in items:
+        count(t)
+    return ",".join(items)
+
+
 def option(default, help: str, kind: str, *, key: str | None = None, label: str = "", min=None, max=None,
            unit: str = "", choices: tuple = ()):
     """A dataclass field declaring a setting (its key defaults to the field's name)."""

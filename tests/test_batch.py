@@ -290,3 +290,17 @@ def test_run_refuses_an_empty_question_before_loading_anything(tmp_path, capsys)
     assert cli.main(["run", str(tmp_path / "missing.mp4"), "what colour ?", "  ", "--model", "no/such-model"]) == 2
     err = capsys.readouterr().err
     assert "question is empty" in err and "does not exist" not in err and "could not be loaded" not in err
+
+
+@pytest.mark.parametrize("argv, flag", [(["bench", "--frames", "0"], "--frames"), (["bench", "--frames", "16,abc"], "--frames"),
+                                        (["bench", "--batch", "1,x"], "--batch"),
+                                        (["run", "v.mp4", "q", "--max-new-tokens", "0"], "--max-new-tokens"),
+                                        (["run", "v.mp4", "q", "--frames", "-3"], "--frames"),
+                                        (["eval", "--data", "x", "--batch", "0"], "--batch")])
+def test_counts_on_the_command_line_are_refused_where_they_are_typed(argv, flag, capsys):
+    """A count below 1 or not a number is a usage error naming the flag (it was an IndexError or a
+    ValueError from deep inside a run, `bench --frames 0` after loading the model)."""
+    from sparsevid import cli
+
+    assert cli.main(argv) == 2
+    assert f"argument {flag}: expected a whole number >= 1" in capsys.readouterr().err
