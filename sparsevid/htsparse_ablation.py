@@ -120,15 +120,17 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    from .options import count, counts
+
     ap = argparse.ArgumentParser(prog="python -m sparsevid.htsparse_ablation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded toy model)")
     ap.add_argument("--method", default="htsparse", help="the method whose settings --configs sweeps")
-    ap.add_argument("--n", type=int, default=20, help="questions per clip length")
-    ap.add_argument("--frames", default="16,256")
+    ap.add_argument("--n", type=count, default=20, help="questions per clip length")
+    ap.add_argument("--frames", type=counts, default="16,256")
     ap.add_argument("--configs", default="variant=ht,head,token;layers=early,mid,late,mid+late")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=count, default=24)
+    ap.add_argument("--threads", type=count, default=1)
     ap.add_argument("--seed-base", type=int, default=None,
                     help="first clip seed (default: toy eval's held-out 1.7e9); choose settings on another "
                     "range, e.g. 1.6e9, then report them on the default one")

@@ -304,3 +304,15 @@ def test_counts_on_the_command_line_are_refused_where_they_are_typed(argv, flag,
 
     assert cli.main(argv) == 2
     assert f"argument {flag}: expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, argv", [("sparsevid.htsparse_ablation", ["--frames", "16,0"]),
+                                          ("sparsevid.toy.__main__", ["eval", "--n", "0"])])
+def test_the_other_command_lines_refuse_counts_below_one_too(module, argv, capsys):
+    """`python -m sparsevid.htsparse_ablation --frames 0` and `python -m sparsevid.toy eval --n 0`
+    ended in an IndexError and a TypeError traceback."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err

@@ -33,6 +33,7 @@ FINETUNES = {
 
 
 def main(argv=None) -> int:
+    from ..options import count, counts
     from . import DEFAULT_MODEL_DIR
 
     ap = argparse.ArgumentParser(prog="python -m sparsevid.toy")
@@ -60,11 +61,11 @@ def main(argv=None) -> int:
                     help="share of answer questions asking for a narration (default 0; --randomise: 0.15)")
     ev = sub.add_parser("eval", help="held-out accuracy and attention figures")
     ev.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    ev.add_argument("--n", type=int, default=60, help="questions per clip length")
-    ev.add_argument("--frames", default="16,256", help="comma-separated clip lengths (frames)")
+    ev.add_argument("--n", type=count, default=60, help="questions per clip length")
+    ev.add_argument("--frames", type=counts, default="16,256", help="comma-separated clip lengths (frames)")
     ev.add_argument("--methods", default="dense")
     ev.add_argument("--json", action="store_true")
-    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--threads", type=count, default=2)
     ev.add_argument("--seed-base", type=int, default=None,
                     help="first clip seed (default 1.7e9; training uses < 1e9): pick another range, e.g. "
                          "1.6e9, to choose between recipes without tuning on the reported clips")
@@ -75,14 +76,14 @@ def main(argv=None) -> int:
     ev.add_argument("--types", default=None,
                     help="comma list of question types (default the six short ones; add 'narrate' for narrations)")
     ev.add_argument("--narration", action="store_true", help="ask for narrations too (adds 'narrate' to the types)")
-    ev.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens (narrations: at least 96)")
+    ev.add_argument("--max-new-tokens", type=count, default=24, help="answer tokens (narrations: at least 96)")
     ex = sub.add_parser("examples", help="write the bundled example clips and examples.json")
     ex.add_argument("--out", default=os.path.join(os.path.dirname(DEFAULT_MODEL_DIR), "examples"))
     ex.add_argument("--model", default=DEFAULT_MODEL_DIR)
     me = sub.add_parser("make-eval", help="held-out clips + manifest.jsonl for `python -m sparsevid eval`")
-    me.add_argument("--n", type=int, default=40)
+    me.add_argument("--n", type=count, default=40)
     me.add_argument("--out", required=True)
-    me.add_argument("--frames", default="16,32,64,128", help="comma list of clip lengths, cycled")
+    me.add_argument("--frames", type=counts, default="16,32,64,128", help="comma list of clip lengths, cycled")
     me.add_argument("--seed", type=int, default=None, help="first clip seed (default 2.1e9: disjoint from training)")
     pr = sub.add_parser("probe", help="linear probes of motion direction in the vision tower's output (what a "
                                       "visual token can tell of its object's direction)")
