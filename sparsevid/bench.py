@@ -219,6 +219,9 @@ def bench_main(args) -> int:
                 row = dict(frames=F, visual_tokens=inputs.m_v, method=name, clips=len(clips),
                            tokens=_median([p["tokens"] for p in per[name]]))
                 row.update({f: _median([p.get(f) for p in per[name]]) for f in ROW_FIELDS + COST_FIELDS})
+                row["speedups"] = [p["speedup"] for p in per[name] if p.get("speedup") is not None]  # each pair's
+                if len(row["speedups"]) > 1:  # the spread the median is taken over, beside it
+                    row["speedup_pairs"] = f"{min(row['speedups']):.2f}-{max(row['speedups']):.2f}x"
                 row.update(accuracy=_pct(correct[name]), dense_accuracy=_pct(correct["dense"]))
                 if row.get("verify_ms") is not None:
                     row["step_costs"] = f"{row['dense_step_ms']:.2f} / {row['draft_step_ms']:.2f} / {row['verify_ms']:.2f}"
@@ -565,7 +568,8 @@ def examples_check(args, loaded, names: list, settings: dict) -> int:
 
 
 COLUMNS = [("frames", "frames", "g"), ("visual tokens", "visual_tokens", "g"), ("method", "method", ""),
-           ("tokens", "tokens", "g"), ("decode speedup", "speedup", "x"), ("end-to-end", "e2e_speedup", "x"),
+           ("tokens", "tokens", "g"), ("decode speedup", "speedup", "x"), ("its pairs", "speedup_pairs", ""),
+           ("end-to-end", "e2e_speedup", "x"),
            ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
            ("identical", "identical_to_dense", ""), ("KV vs dense", "kv_ratio", "pct"),
            ("I/O-model speedup", "predicted_speedup", "x"), ("bound", "bound_speedup", "x"),

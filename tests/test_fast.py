@@ -399,6 +399,24 @@ def test_bench_gives_a_direct_methods_bound_from_the_kv_it_reads(tiny_model_dir,
     assert 0 < row["attention_kv_pct"] <= 100
     assert 1 <= row["bound_speedup"] <= 100 / row["decode_kv_pct"]
     assert row["bound_share"] == pytest.approx(row["speedup"] / row["bound_speedup"])
+    assert row["speedups"] == [row["speedup"]] and "speedup_pairs" not in row  # one pair: no spread to show
+
+
+def test_bench_shows_the_spread_of_its_pairs_beside_their_median(tiny_model_dir, capsys):
+    """`bench --repeats 2`: each row's decode speedup is the median of its (method, dense) pairs, and the
+    table shows their range beside it (on a shared machine single pairs move by 15 % or more)."""
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--model", tiny_model_dir("qwen2_vl"), "--frames", "16", "--methods", "std",
+                     "--max-new-tokens", "6", "--ignore-eos", "--repeats", "2", "--compile", "off", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    lo, hi = min(row["speedups"]), max(row["speedups"])
+    assert len(row["speedups"]) == 2 and lo <= row["speedup"] <= hi
+    assert row["speedup_pairs"] == f"{lo:.2f}-{hi:.2f}x"
+    assert cli.main(["bench", "--model", tiny_model_dir("qwen2_vl"), "--frames", "16", "--methods", "std",
+                     "--max-new-tokens", "6", "--ignore-eos", "--repeats", "2", "--compile", "off"]) == 0
+    table = capsys.readouterr().out
+    assert "| decode speedup | its pairs |" in table and re.search(r"\| \d\.\d\dx \| \d\.\d\d-\d\.\d\dx \|", table)
 
 
 def test_the_buffer_pool_remembers_what_waited_idle_the_whole_run():
