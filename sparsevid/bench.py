@@ -137,6 +137,14 @@ def _pct(flags: list) -> float | None:
     return 100 * sum(flags) / len(flags) if flags else None
 
 
+def pairs(speedups: list) -> dict:
+    """A row's pairs: every (method, dense) pair's decode speedup (`speedups`), and where there are
+    several, their range as shown beside the median ("its pairs": on a shared machine single pairs
+    move by 15 % or more)."""
+    xs = [x for x in speedups if x is not None]
+    return dict(speedups=xs, **({"speedup_pairs": f"{min(xs):.2f}-{max(xs):.2f}x"} if len(xs) > 1 else {}))
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -219,9 +227,7 @@ def bench_main(args) -> int:
                 row = dict(frames=F, visual_tokens=inputs.m_v, method=name, clips=len(clips),
                            tokens=_median([p["tokens"] for p in per[name]]))
                 row.update({f: _median([p.get(f) for p in per[name]]) for f in ROW_FIELDS + COST_FIELDS})
-                row["speedups"] = [p["speedup"] for p in per[name] if p.get("speedup") is not None]  # each pair's
-                if len(row["speedups"]) > 1:  # the spread the median is taken over, beside it
-                    row["speedup_pairs"] = f"{min(row['speedups']):.2f}-{max(row['speedups']):.2f}x"
+                row.update(pairs([p.get("speedup") for p in per[name]]))
                 row.update(accuracy=_pct(correct[name]), dense_accuracy=_pct(correct["dense"]))
                 if row.get("verify_ms") is not None:
                     row["step_costs"] = f"{row['dense_step_ms']:.2f} / {row['draft_step_ms']:.2f} / {row['verify_ms']:.2f}"
@@ -339,6 +345,7 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                        tokens_per_round=_median([x["tokens_per_round"] for x in p]),
                        bound_speedup=_median([x["bound"] for x in p]), fast_steps=p[-1]["fast_steps"] if p else 0,
                        **bound)
+            row.update(pairs([x["speedup"] for x in p]))
             if row["speedup"] and row["bound_speedup"]:
                 row["bound_share"] = row["speedup"] / row["bound_speedup"]
             rows.append(row)
@@ -390,7 +397,8 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
     cols = first + [
         ("visual tokens", "visual_tokens", "g"), ("batch", "batch", "g"),
         ("method", "method", ""), ("dense tok/s", "dense_tok_s", ""), ("dense vs batch 1", "dense_vs_batch1", "x"),
-        ("method tok/s", "tok_s", ""), ("decode speedup", "speedup", "x"), ("identical", "identical_to_dense", ""),
+        ("method tok/s", "tok_s", ""), ("decode speedup", "speedup", "x"), ("its pairs", "speedup_pairs", ""),
+        ("identical", "identical_to_dense", ""),
         ("acceptance", "acceptance", "pct"), ("tokens/round", "tokens_per_round", ""),
         ("bound from step costs", "bound_speedup", "x"), ("share of bound", "bound_share", "pct")]
     print(markdown_table([c[0] for c in cols], [[cell(r.get(k), kind) for _, k, kind in cols] for r in rows]))
