@@ -18,6 +18,7 @@ Kinds:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -55,8 +56,6 @@ class Option:
 def count(text: str) -> int:
     """A command-line type: a whole number >= 1 (`--frames 0` or `--max-new-tokens x` is a usage error
     naming the flag, not a failure deep in a run)."""
-    import argparse
-
     try:
         n = int(text)
     except ValueError:
