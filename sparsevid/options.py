@@ -56,10 +56,7 @@ class Option:
 def count(text: str) -> int:
     """A command-line type: a whole number >= 1 (`--frames 0` or `--max-new-tokens x` is a usage error
     naming the flag, not a failure deep in a run)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}") from None
+    n = int(text) if _INT.match(str(text).strip()) else 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, not {text!r}")
     return n
