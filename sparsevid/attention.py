@@ -68,7 +68,8 @@ class Run:
     """State of one forward pass sequence, set as the active context by the engine.
 
     policy: object with `select(layer, stats, prompt) -> LayerSelection | None` (None keeps
-        everything), `stats` (the statistics it needs) and `window` (SnapKV rows; 0 for none);
+        everything), `stats` (the statistics it needs) and `window` (SnapKV rows; 0 for none), or
+        `needs(prompt) -> (stats, window)` where they depend on the prompt;
         optional `score_keys(layer, key) -> key` (keys used for scoring and kept in its cache) and
         `route_prefill` (its selection routes the layer's whole prefill when used directly);
         `selects(layer, prompt) -> bool` (False: the layer keeps everything and needs no statistics);
@@ -137,9 +138,11 @@ def layer_stats(query: torch.Tensor, key: torch.Tensor, scale: float, query_star
         start = min(qs, m - window) if window else qs
         r = m - start
         rows = query[0, :, start:].float().reshape(Hkv, G * r, D)
-        scores = torch.matmul(rows, key[0].float().transpose(1, 2)).view(Hkv, G, r, m) * scale
-        causal = causal_mask(r, m, query.device)
-        probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1)  # [Hkv, G, r, m]
+        scores = torch.matmul(rows, key[0].float().transpose(1, 2)).view(Hkv, G, r, m).mul_(scale)
+        # causality masks only the keys at the rows' own positions [start, m) (the passes over all m
+        # keys are what this costs: in place, and the mask over the last r keys only)
+        scores[..., start:].masked_fill_(~causal_mask(r, r, query.device), float("-inf"))
+        probs = scores.softmax(-1)  # [Hkv, G, r, m]
         if "relevance" in want:
             stats.relevance = probs[:, :, qs - start:].mean(2).sum(1)
         if window:
@@ -211,10 +214,8 @@ def _select_and_store(run: Run, layer: int, query, key, value, scale):
     prompt = run.prompt_of(layer)  # m' rows in a pruned layer
     pruned = layer in run.rows
     selects = policy is not None and (not hasattr(policy, "selects") or policy.selects(layer, prompt))
-    want = set(getattr(policy, "stats", ())) if selects else set()
-    if run.keep_stats:
-        want.add("relevance")
-    window = getattr(policy, "window", 0) if selects else 0
+    want, window = needs(policy, prompt) if selects else ((), 0)
+    want = set(want) | ({"relevance"} if run.keep_stats else set())
     stats = layer_stats(query, key, scale, prompt.query_start, window, want)
     if run.keep_stats:
         run.stats[layer] = _unpruned(stats, run.rows[layer], run.prompt.m) if pruned else stats
@@ -237,6 +238,14 @@ def _select_and_store(run: Run, layer: int, query, key, value, scale):
     cache.set_sparse(layer, SparseKV(kept_key, value, sel, cache.capacity - run.prompt.m, run.prompt.num_heads,
                                      bufs=cache.buffers, layer=layer, rows=cache.stacked_row))
     return sel, kept_key
+
+
+def needs(policy, prompt: Prompt) -> tuple[tuple[str, ...], int]:
+    """The statistics a selecting policy reads on this prompt and its SnapKV rows: its `needs(prompt)`
+    where it has one (what it reads depends on the prompt), else its `stats` and `window`."""
+    if hasattr(policy, "needs"):
+        return policy.needs(prompt)
+    return tuple(getattr(policy, "stats", ())), getattr(policy, "window", 0)
 
 
 def _unpruned(stats: LayerStats, rows: torch.Tensor, m: int) -> LayerStats:

@@ -288,10 +288,10 @@ class SparseKV:
         else:
             self.k = bufs.zeros(("sparse", layer, "k"), shape, keys.dtype, dev)
             self.v = bufs.zeros(("sparse", layer, "v"), shape, values.dtype, dev)
-        for h, idx in enumerate(sel.keep):
+        for h, idx in enumerate(sel.keep):  # gathered straight into the buffer (contiguous rows)
             idx = idx.to(dev)
-            self.k[0, h, :len(idx)] = keys[0, h].index_select(0, idx)
-            self.v[0, h, :len(idx)] = values[0, h].index_select(0, idx)
+            torch.index_select(keys[0, h], 0, idx, out=self.k[0, h, :len(idx)])
+            torch.index_select(values[0, h], 0, idx, out=self.v[0, h, :len(idx)])
         self.bias = None
         if sel.query_mask is not None:  # built once; generated entries 0
             qmask = sel.query_mask.to(dev).view(Hkv, G, m)

@@ -97,6 +97,10 @@ def test_observation_rows_stay_out_of_the_video():
     assert [k.tolist() for k in plain.keep] == [[22] + list(range(32, 40))] * 2
     # 10 query tokens >= w: SnapKV's last-w rows either way
     assert S.SparseMM(budget=w + 1, window=w, scores=scores).select(0, stats, prompt(30)).keep[0].tolist()[0] == 22
+    # and a prefill computes only the rows it reads: the query's relevance, or the last w rows' attention
+    assert S.SparseMM(window=w).needs(p) == (("relevance",), 0)
+    assert S.SparseMM(window=w, observe="window").needs(p) == (("window",), w)
+    assert S.SparseMM(window=w).needs(prompt(30)) == (("window",), w)
 
 
 # ---- calibration ----------------------------------------------------------------------------------

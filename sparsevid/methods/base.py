@@ -2,8 +2,8 @@
 
 A policy is a small dataclass whose option fields are its settings (`sparsevid.options`) and which
 turns one layer's prefill statistics into a `LayerSelection` (`select`). It says which statistics it
-needs (`stats`: "relevance", "window", "query_norms"; `window`: SnapKV rows), so prefill computes
-nothing else.
+needs (`stats`: "relevance", "window", "query_norms"; `window`: SnapKV rows; or `needs(prompt)` giving
+both, where they depend on the prompt), so prefill computes nothing else.
 """
 
 from __future__ import annotations

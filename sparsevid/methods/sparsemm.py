@@ -79,9 +79,12 @@ def snapkv_keep(window_attn: torch.Tensor, caps: torch.Tensor, w: int, kernel: i
     Hkv, m = window_attn.shape
     w = min(w, m)
     pooled = F.avg_pool1d(window_attn[:, None, : m - w].float(), kernel, 1, kernel // 2)[:, 0]  # [Hkv, m - w]
-    local = torch.arange(m - w, m, device=window_attn.device)
     order = pooled.argsort(dim=1, descending=True)  # once for all heads; each takes its prefix
-    return [torch.cat([order[g, : max(0, min(int(caps[g]), m) - w)], local]).sort().values for g in range(Hkv)]
+    kept = torch.zeros(Hkv, m, dtype=torch.bool, device=window_attn.device)
+    kept[:, m - w:] = True
+    for g in range(Hkv):
+        kept[g, order[g, : max(0, min(int(caps[g]), m) - w)]] = True
+    return [row.nonzero().squeeze(1) for row in kept]  # sorted by construction (a third faster than sorting)
 
 
 @dataclass
@@ -112,8 +115,17 @@ class SparseMM:
     kernel: int = 5
     caps: torch.Tensor | None = field(default=None, init=False, repr=False)
     needs_head_scores = True
-    stats = ("relevance", "window")
     route_prefill = False
+
+    def observes_query(self, prompt: Prompt) -> bool:
+        """The observation rows are the query tokens (`observe="query"` and fewer of them than w)."""
+        return self.observe == "query" and prompt.m - prompt.query_start < self.window
+
+    def needs(self, prompt: Prompt) -> tuple[tuple[str, ...], int]:
+        """The statistics `select` reads: the query tokens' relevance where they are the observation
+        rows (then no window of w rows is computed: 10 rows instead of 32 at the bundled questions,
+        a third of the statistics' cost), else the last w rows' attention."""
+        return (("relevance",), 0) if self.observes_query(prompt) else (("window",), self.window)
 
     def budget_for(self, m: int) -> int:
         b = DEFAULT_BUDGET if self.budget is None else self.budget
@@ -129,9 +141,8 @@ class SparseMM:
         caps = self.caps[layer]
         if bool((caps >= m).all()):
             return None
-        obs = stats.window
-        if self.observe == "query" and m - prompt.query_start < self.window:
-            obs = stats.relevance  # the query tokens' rows only (summed over the group: same ranking)
+        # the query tokens' rows (summed over the group: SnapKV's ranking) or the last w rows
+        obs = stats.relevance if self.observes_query(prompt) else stats.window
         return LayerSelection(snapkv_keep(obs, caps, self._w, self.kernel))
 
     _m: int = field(default=0, init=False, repr=False)
