@@ -32,6 +32,8 @@ class VideoInputs:
     visual_positions: LongTensor [m_v], sorted prompt positions of the visual tokens.
     token_grid: LongTensor [m_v, 3], (sampled-frame index, row, column) of each visual token.
     grid: (t, rows, cols) of the visual token grid; frames: the sampled frames [T, H, W, 3] uint8.
+    encoded: (model, its vision tower's outputs for this video, seconds they took), set by the first
+        run (`engine.encode`) so every prefill of the same inputs reuses them; None before.
     """
 
     model_kwargs: dict
@@ -40,6 +42,7 @@ class VideoInputs:
     grid: tuple[int, int, int]
     frames: np.ndarray
     timestamps: list[float] = field(default_factory=list)
+    encoded: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def input_ids(self) -> torch.Tensor:

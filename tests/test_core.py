@@ -4,6 +4,7 @@ Every test runs on tiny random-weight models of each architecture (Qwen2-VL, Qwe
 LLaVA-OneVision), built from configs, saved, and loaded back through `load_model`.
 """
 
+import functools
 from contextlib import contextmanager
 
 import numpy as np
@@ -161,6 +162,32 @@ def test_dense_greedy_matches_generate(arch, tiny_loaded, video_inputs):
     c = loaded.text_config
     entries = inputs.m + len(res.token_ids) - 1  # the last token is chosen, never fed
     assert res.kv_bytes == 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 4 * entries, c
+
+
+def test_vision_tower_runs_once_per_inputs(arch, tiny_loaded, frames, monkeypatch):
+    """A comparison runs the same prompt many times: the video's vision tower runs once, every
+    prefill reuses its outputs and gives the logits of transformers' own forward over the pixels,
+    and every run counts the tower's seconds in its prefill time."""
+    loaded = tiny_loaded(arch)
+    inputs = loaded.adapter.build_inputs(frames, QUESTION)  # its own: no other test's encoding
+    inner, calls = loaded.model.model, []
+    encode = inner.get_video_features
+
+    @functools.wraps(encode)  # the same signature
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "get_video_features", counted)
+    first = [engine.decode(loaded, inputs, max_new_tokens=4) for _ in range(3)]
+    assert len(calls) == 1 and inputs.encoded is not None
+    assert all(t.token_ids == first[0].token_ids for t in first)
+    assert all(t.prefill_s >= inputs.encoded[2] > 0 for t in first)
+    logits = engine.prefill(loaded, inputs, engine.new_run(loaded, inputs, 1))
+    assert len(calls) == 1
+    with text_attention(loaded.model, "sdpa"), torch.no_grad():
+        ref = loaded.model(**inputs.model_kwargs, use_cache=False).logits[0, -1]
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch_", ["qwen2_vl", "qwen2_5_vl"])

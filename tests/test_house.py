@@ -412,8 +412,10 @@ class Recorder:
 
     def __init__(self, policy):
         self.policy, self.seen = policy, {}
-        self.stats, self.window = policy.stats, policy.window
         self.route_prefill = getattr(policy, "route_prefill", False)
+
+    def needs(self, prompt):
+        return attention.needs(self.policy, prompt)
 
     def select(self, layer, stats, prompt):
         sel = self.policy.select(layer, stats, prompt)
@@ -685,7 +687,8 @@ def test_a_draft_keeping_everything_holds_no_copy(tiny_loaded, video_inputs):
 
 @pytest.mark.parametrize("policy_name, want", [("streaming", set()), ("std", {"relevance"}),
                                                 ("htsparse", {"relevance", "query_norms"}),
-                                                ("sparsemm", {"relevance", "window"})])
+                                                ("sparsemm", {"relevance"}),  # the question's rows (< w)
+                                                ("sparsemm/window", {"window"})])  # observe="window": last w
 def test_prefill_computes_only_the_statistics_the_policy_asks(policy_name, want, tiny_loaded, video_inputs,
                                                              monkeypatch):
     loaded, inputs = tiny_loaded("qwen2_vl"), video_inputs("qwen2_vl")
@@ -697,7 +700,8 @@ def test_prefill_computes_only_the_statistics_the_policy_asks(policy_name, want,
         return real(query, key, scale, query_start, window, wanted)
 
     monkeypatch.setattr(attention, "layer_stats", spy)
-    config, _ = methods.configure(policy_name, {"k": "0.25"} if policy_name in ("std", "streaming") else {})
+    settings = {"std": {"k": "0.25"}, "streaming": {"k": "0.25"}, "sparsemm/window": {"observe": "window"}}
+    config, _ = methods.configure(policy_name.split("/")[0], settings.get(policy_name, {}))
     run = engine.new_run(loaded, inputs, 2, config, keep_stats=False)
     engine.prefill(loaded, inputs, run)
     assert run.stats == {}  # nothing kept without keep_stats
