@@ -32,8 +32,9 @@ class VideoInputs:
     visual_positions: LongTensor [m_v], sorted prompt positions of the visual tokens.
     token_grid: LongTensor [m_v, 3], (sampled-frame index, row, column) of each visual token.
     grid: (t, rows, cols) of the visual token grid; frames: the sampled frames [T, H, W, 3] uint8.
-    encoded: (model, its vision tower's outputs for this video, seconds they took), set by the first
-        run (`engine.encode`) so every prefill of the same inputs reuses them; None before.
+    vision: the video's vision-tower outputs once computed (`engine.encode`: "model", "outputs",
+        "seconds"), shared by every question asked of the same video (`Adapter.build_questions`);
+        empty before.
     """
 
     model_kwargs: dict
@@ -42,7 +43,7 @@ class VideoInputs:
     grid: tuple[int, int, int]
     frames: np.ndarray
     timestamps: list[float] = field(default_factory=list)
-    encoded: tuple | None = field(default=None, repr=False, compare=False)
+    vision: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -63,7 +64,8 @@ class VideoInputs:
 
     def to(self, device) -> "VideoInputs":
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.model_kwargs.items()}
-        return VideoInputs(kw, self.visual_positions, self.token_grid, self.grid, self.frames, self.timestamps)
+        return VideoInputs(kw, self.visual_positions, self.token_grid, self.grid, self.frames, self.timestamps,
+                           self.vision)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -130,8 +132,22 @@ class Adapter:
     def __init__(self, name_or_dir: str, config, tokenizer):
         self.name, self.config, self.tokenizer = name_or_dir, config, tokenizer
 
-    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None,
+                     video: VideoInputs | None = None) -> VideoInputs:
+        """The prefill inputs of one question on `frames`. `video`: inputs of another question on the
+        same frames, whose pixel tensors and vision-tower outputs these share (not preprocessed again)."""
         raise NotImplementedError
+
+    def build_questions(self, frames: np.ndarray, questions: list[str], timestamps=None,
+                        device=None) -> list[VideoInputs]:
+        """One `build_inputs` per question on one video (a batch of questions): the video is
+        preprocessed once, moved to `device` once, and encoded by the vision tower once for all of
+        them (`engine.encode`); only the questions' tokens differ."""
+        def moved(x: VideoInputs) -> VideoInputs:
+            return x if device is None else x.to(device)
+
+        first = moved(self.build_inputs(frames, questions[0], timestamps))
+        return [first] + [moved(self.build_inputs(frames, q, timestamps, video=first)) for q in questions[1:]]
 
     def positions(self, model, inputs: "VideoInputs") -> tuple[torch.Tensor | None, int]:
         """(the prompt's position ids for the prefill, or None to let the model number them 0..m-1;
@@ -235,9 +251,13 @@ class Qwen2VLAdapter(Adapter):
         after = f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
         return before, after
 
-    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None,
+                     video: VideoInputs | None = None) -> VideoInputs:
         question = check_question(question)
-        pixel_values, grid_thw = qwen2vl_preprocess(frames, **self.pre)
+        if video is None:
+            pixel_values, grid_thw = qwen2vl_preprocess(frames, **self.pre)
+        else:
+            pixel_values, grid_thw = video.model_kwargs["pixel_values_videos"], video.model_kwargs["video_grid_thw"]
         t, h, w = (int(v) for v in grid_thw[0])
         m = self.pre["merge_size"]
         rows, cols = h // m, w // m
@@ -258,7 +278,7 @@ class Qwen2VLAdapter(Adapter):
         frame = torch.clamp((idx // (rows * cols)) * tp, max=len(frames) - 1)
         grid = torch.stack([frame, (idx % (rows * cols)) // cols, idx % cols], dim=1)
         return VideoInputs(kwargs, torch.arange(start, start + n_vis), grid, (t, rows, cols), frames,
-                           list(timestamps or []))
+                           list(timestamps or []), {} if video is None else video.vision)
 
 
 def read_text(name_or_dir: str, filename: str) -> str | None:
@@ -365,10 +385,12 @@ class LlavaOnevisionAdapter(Adapter):
         before, after = self.default_template.split("<video>")
         return before, after.format(question=question)
 
-    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None) -> VideoInputs:
+    def build_inputs(self, frames: np.ndarray, question: str, timestamps=None,
+                     video: VideoInputs | None = None) -> VideoInputs:
         question = check_question(question)
         T = len(frames)
-        pixel_values = llava_onevision_preprocess(frames, self.size, self.image_mean, self.image_std)
+        pixel_values = (llava_onevision_preprocess(frames, self.size, self.image_mean, self.image_std)
+                        if video is None else video.model_kwargs["pixel_values_videos"])
         rows, cols = self.rows, self.cols
         per_frame = rows * cols
         n_vis = T * per_frame + 1  # + the image_newline after the last frame
@@ -381,7 +403,7 @@ class LlavaOnevisionAdapter(Adapter):
         grid = torch.cat([grid, torch.tensor([[T - 1, rows - 1, cols - 1]])])
         start = len(pre_ids)
         return VideoInputs(kwargs, torch.arange(start, start + n_vis), grid, (T, rows, cols), frames,
-                           list(timestamps or []))
+                           list(timestamps or []), {} if video is None else video.vision)
 
     @staticmethod
     def newline_position(inputs: VideoInputs) -> int:

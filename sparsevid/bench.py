@@ -473,8 +473,7 @@ def shape_rounds(args) -> int:
     try:
         for seq in seqs:
             frames = np.random.default_rng(seq).integers(0, 256, (2 * -(-seq // 256), 448, 448, 3), dtype=np.uint8)
-            inputs = [loaded.adapter.build_inputs(frames, q).to(dev)
-                      for q in (SHAPE_QUESTIONS * 8)[:max(batches)]]
+            inputs = loaded.adapter.build_questions(frames, (SHAPE_QUESTIONS * 8)[:max(batches)], device=dev)
             rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(seq=inputs[0].m), bar)
     finally:
         bar.close()

@@ -76,8 +76,7 @@ def cmd_run(args) -> int:
         bar.set_postfix_str("loading model")
         loaded = load_model(args.model, args.device, args.dtype)
         bar.update()
-        batch = [loaded.adapter.build_inputs(video.frames, q, video.timestamps).to(loaded.device)
-                 for q in args.question]
+        batch = loaded.adapter.build_questions(video.frames, args.question, video.timestamps, loaded.device)
         inputs = batch[0]
         bar.update()
         if enable_steps(loaded, args.compile) is not None:  # compiled in `compare`'s warm-up

@@ -138,16 +138,18 @@ VIDEO_PIXELS = "pixel_values_videos"  # the one model input only the vision towe
 
 @torch.inference_mode()
 def encode(loaded: Loaded, inputs: VideoInputs) -> float:
-    """Run the video's vision tower once per `VideoInputs` and model: its outputs are kept in
-    `inputs.encoded` and every prefill of those inputs (each method of a comparison, each timing
-    pass) hands them to the model as transformers' `mm_encoder_outputs` instead of the pixels: the
-    tensors the model would compute, so the same tokens. Returns the tower's seconds (measured the
+    """Run the video's vision tower once per video and model: its outputs are kept in
+    `inputs.vision` (shared by the questions of one video, `Adapter.build_questions`) and every
+    prefill of those inputs (each method of a comparison, each timing pass, each question) hands
+    them to the model as transformers' `mm_encoder_outputs` instead of the pixels: the tensors the
+    model would compute, so the same tokens. Returns the tower's seconds (measured the
     one time it ran; 0 for a prompt without video). A run encodes its prompts before its own
     timing and memory window (`Rows`) and counts these seconds in its prefill time, so every run's
     figures are what it costs on its own, whichever run encoded."""
     if VIDEO_PIXELS not in inputs.model_kwargs:
         return 0.0
-    if inputs.encoded is None or inputs.encoded[0] is not loaded.model:
+    v = inputs.vision
+    if v.get("model") is not loaded.model:
         t0 = time.perf_counter()
         inner = loaded.model.model
         params = inspect.signature(inner.get_video_features).parameters
@@ -155,8 +157,8 @@ def encode(loaded: Loaded, inputs: VideoInputs) -> float:
                                        return_dict=True)
         out = type(out)(pooler_output=out.pooler_output)  # what the prefill reads (not the patches' states)
         sync(loaded.device)
-        inputs.encoded = (loaded.model, out, time.perf_counter() - t0)
-    return inputs.encoded[2]
+        v.update(model=loaded.model, outputs=out, seconds=time.perf_counter() - t0)
+    return v["seconds"]
 
 
 @torch.inference_mode()
@@ -167,7 +169,7 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
     encode(loaded, inputs)
     kw = dict(inputs.model_kwargs)
     if kw.pop(VIDEO_PIXELS, None) is not None:
-        kw["mm_encoder_outputs"] = {"video": inputs.encoded[1]}
+        kw["mm_encoder_outputs"] = {"video": inputs.vision["outputs"]}
     positions, next_position = loaded.adapter.positions(loaded.model, inputs)
     kw.update({} if positions is None else dict(position_ids=positions))
     try:

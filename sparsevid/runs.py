@@ -197,7 +197,7 @@ def warm_rows(loaded: Loaded, inputs: list[VideoInputs], names, settings: dict |
                  capacity_tokens=max_new_tokens)
     fast.warmed.add(key)
     for x in inputs:
-        x.encoded = None  # as `warm_up`: the timed runs' vision seconds are measured warm
+        x.vision.clear()  # as `warm_up`: the timed runs' vision seconds are measured warm
 
 
 def compile_steps(loaded, inputs, names=("dense",), settings=None, max_new_tokens: int = 12, lock=None,
@@ -307,7 +307,7 @@ def warm_up(loaded: Loaded, inputs: VideoInputs, on_token: Callable[[int], None]
         fast.warmed.add(_warm_key(inputs, names, settings, max_new_tokens))
     decode(loaded, inputs, max_new_tokens=2, sampling=Sampling(ignore_eos=True), on_token=on_token,
            capacity_tokens=max_new_tokens)
-    inputs.encoded = None  # the first timed run encodes the video again, warm: the seconds every run counts
+    inputs.vision.clear()  # the first timed run encodes the video again, warm: the seconds every run counts
 
 
 def dense_pair_s(before: Trace, after: Trace) -> float:

@@ -316,3 +316,33 @@ def test_the_other_command_lines_refuse_counts_below_one_too(module, argv, capsy
     with pytest.raises(SystemExit) as e:
         importlib.import_module(module).main(argv)
     assert e.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_questions_on_one_video_share_its_pixels_and_vision_tower(tiny_loaded, arch, monkeypatch):
+    """Several questions on one video (`run VIDEO Q1 Q2 ...`, the app's batch): the video is
+    preprocessed once and its vision tower runs once for all of them, and each question's answer
+    is the one its own inputs, built alone, give."""
+    import functools
+
+    loaded = tiny_loaded(arch)
+    frames, questions = clip(8, 3), ["what colour is the object ?", "how many ?", "where does it go ?"]
+    batch = loaded.adapter.build_questions(frames, questions)
+    pixels = {id(x.model_kwargs["pixel_values_videos"]) for x in batch}
+    assert len(pixels) == 1 and len({x.m for x in batch}) == 3
+    inner, calls = loaded.model.model, []
+    encode = inner.get_video_features
+
+    @functools.wraps(encode)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "get_video_features", counted)
+    together = runs.run_rows(loaded, batch, "std", LOSSLESS["std"], max_new_tokens=8)
+    runs.run_rows(loaded, batch, "dense", max_new_tokens=8)
+    assert len(calls) == 1
+    alone = [runs.run_method(loaded, loaded.adapter.build_inputs(frames, q), "std", LOSSLESS["std"], max_new_tokens=8)
+             for q in questions]
+    assert len(calls) == 4
+    assert [t.token_ids for t in together] == [t.token_ids for t in alone]

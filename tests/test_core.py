@@ -180,9 +180,9 @@ def test_vision_tower_runs_once_per_inputs(arch, tiny_loaded, frames, monkeypatc
 
     monkeypatch.setattr(inner, "get_video_features", counted)
     first = [engine.decode(loaded, inputs, max_new_tokens=4) for _ in range(3)]
-    assert len(calls) == 1 and inputs.encoded is not None
+    assert len(calls) == 1 and inputs.vision
     assert all(t.token_ids == first[0].token_ids for t in first)
-    assert all(t.prefill_s >= inputs.encoded[2] > 0 for t in first)
+    assert all(t.prefill_s >= inputs.vision["seconds"] > 0 for t in first)
     logits = engine.prefill(loaded, inputs, engine.new_run(loaded, inputs, 1))
     assert len(calls) == 1
     with text_attention(loaded.model, "sdpa"), torch.no_grad():

@@ -453,8 +453,7 @@ def _compare_rows_stream(video, questions, model, n_frames, methods, settings, m
                         raise runs.Cancelled
                     loaded = backend.get_model(model)
                     run = [n for n in names if n not in backend.broken_methods(model)]
-                    batch = [loaded.adapter.build_inputs(vid.frames, q, vid.timestamps).to(loaded.device)
-                             for q in questions]
+                    batch = loaded.adapter.build_questions(vid.frames, questions, vid.timestamps, loaded.device)
                     results = compare_rows(loaded, batch, run, settings, max_new_tokens, should_stop=stop.is_set)
                     done.put(batch_json(loaded, vid, questions, batch, results, steps_state(loaded)))
                 except runs.Cancelled:
