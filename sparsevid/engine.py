@@ -148,17 +148,17 @@ def encode(loaded: Loaded, inputs: VideoInputs) -> float:
     figures are what it costs on its own, whichever run encoded."""
     if VIDEO_PIXELS not in inputs.model_kwargs:
         return 0.0
-    v = inputs.vision
-    if v.get("model") is not loaded.model:
+    held = inputs.vision
+    if held.get("model") is not loaded.model:
         t0 = time.perf_counter()
         inner = loaded.model.model
         params = inspect.signature(inner.get_video_features).parameters
-        out = inner.get_video_features(**{k: v for k, v in inputs.model_kwargs.items() if k in params},
+        out = inner.get_video_features(**{k: x for k, x in inputs.model_kwargs.items() if k in params},
                                        return_dict=True)
         out = type(out)(pooler_output=out.pooler_output)  # what the prefill reads (not the patches' states)
         sync(loaded.device)
-        v.update(model=loaded.model, outputs=out, seconds=time.perf_counter() - t0)
-    return v["seconds"]
+        held.update(model=loaded.model, outputs=out, seconds=time.perf_counter() - t0)
+    return held["seconds"]
 
 
 @torch.inference_mode()
