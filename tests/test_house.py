@@ -686,6 +686,7 @@ def test_a_draft_keeping_everything_holds_no_copy(tiny_loaded, video_inputs):
 
 
 @pytest.mark.parametrize("policy_name, want", [("streaming", set()), ("std", {"relevance"}),
+                                                ("std/all", set()),  # K >= the visual tokens: a dense draft
                                                 ("htsparse", {"relevance", "query_norms"}),
                                                 ("sparsemm", {"relevance"}),  # the question's rows (< w)
                                                 ("sparsemm/window", {"window"})])  # observe="window": last w
@@ -700,7 +701,8 @@ def test_prefill_computes_only_the_statistics_the_policy_asks(policy_name, want,
         return real(query, key, scale, query_start, window, wanted)
 
     monkeypatch.setattr(attention, "layer_stats", spy)
-    settings = {"std": {"k": "0.25"}, "streaming": {"k": "0.25"}, "sparsemm/window": {"observe": "window"}}
+    settings = {"std": {"k": "0.25"}, "std/all": {}, "streaming": {"k": "0.25"},
+                "sparsemm/window": {"observe": "window"}}
     config, _ = methods.configure(policy_name.split("/")[0], settings.get(policy_name, {}))
     run = engine.new_run(loaded, inputs, 2, config, keep_stats=False)
     engine.prefill(loaded, inputs, run)

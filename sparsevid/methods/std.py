@@ -28,6 +28,11 @@ class TopK:
     stats = ("relevance",)
     window = 0
 
+    def selects(self, layer: int, prompt: Prompt) -> bool:
+        """Only where K leaves visual tokens out: else the draft is dense and the prefill computes no
+        relevance for it (a 16-frame clip's 288 visual tokens under the default K = 1024 - m_t)."""
+        return visual_budget(self.k, prompt.m_v, prompt.m_t) < prompt.m_v
+
     def select(self, layer: int, stats: LayerStats, prompt: Prompt) -> LayerSelection | None:
         """relevance [Hkv, m] -> Hkv rows of K + m_t sorted prompt positions (None: keeps all)."""
         vis = prompt.visual_positions.to(stats.relevance.device)
