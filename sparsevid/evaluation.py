@@ -164,11 +164,13 @@ def is_correct(text: str, item: dict) -> bool | None:
 
 
 def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampling, settings_dict: dict,
-              frames: int, max_new_tokens: int, width: int | None = None) -> list[dict]:
+              frames: int, max_new_tokens: int, width: int | None = None, videos: dict | None = None) -> list[dict]:
     """One row per method for each manifest item, the items decoded together (`--batch`: at most
     `width` rows at once, the next item joining as a row ends: continuous batching; one item:
     `runs.compare`); an item that fails (its video, its question) gets rows with `error` and the
-    others go on."""
+    others go on. `videos`: {(path, frames): (video, inputs)} of the previous call's items, kept
+    between calls: an item asking about a video already there shares its decoded frames, pixels and
+    vision-tower outputs (benchmarks ask several questions per video); left holding this call's."""
     from .errors import SparsevidError
     from .runs import compare, compare_rows
     from .video import load_video
@@ -180,14 +182,20 @@ def run_items(loaded, items: list[dict], names: list[str], settings: dict, sampl
         return dict(id=item["id"], video=item["video"], question=item["question"], reference=item.get("answer"),
                     settings=settings_dict)
 
-    rows, ok = [], []
+    rows, ok, seen = [], [], {}
+    videos = {} if videos is None else videos
     for item in items:
         try:
-            video = load_video(item["path"], int(item.get("frames") or frames))
-            inputs = loaded.adapter.build_inputs(video.frames, item["question"], video.timestamps).to(loaded.device)
+            key = (item["path"], int(item.get("frames") or frames))
+            video, first = seen.get(key) or videos.get(key) or (load_video(*key), None)
+            inputs = loaded.adapter.build_inputs(video.frames, item["question"], video.timestamps,
+                                                 video=first).to(loaded.device)
+            seen.setdefault(key, (video, inputs))
             ok.append((item, video, inputs))
         except Exception as e:  # recorded; the run goes on (KeyboardInterrupt is not an Exception)
             rows += [dict(base(item), method=name, error=error(e)) for name in names]
+    videos.clear()
+    videos.update(seen)
     if not ok:
         return rows
     try:
@@ -307,9 +315,10 @@ def eval_main(args) -> int:
                 size = args.batch * (CHUNK if args.batch > 1 else 1)
                 if args.batch > 1:
                     mine = batch_order(mine)
+                videos: dict = {}  # the last chunk's videos: the next chunk's questions on them share them
                 for i in range(0, len(mine), size):
                     rows = run_items(loaded, mine[i:i + size], names, settings, sampling, settings_dict,
-                                     args.frames, args.max_new_tokens, width=args.batch)
+                                     args.frames, args.max_new_tokens, width=args.batch, videos=videos)
                     bar.update(len(mine[i:i + size]))
                     journal.write("".join(json.dumps(r) + "\n" for r in rows))
                     journal.flush()

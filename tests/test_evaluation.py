@@ -159,6 +159,34 @@ def test_batched_eval_gives_every_item_the_answers_of_batch_one(single, evalset,
     assert cli.main(eval_args(evalset, model, tmp_path / "zero", "--batch", "0")) == 2
 
 
+def test_questions_on_one_video_share_it(evalset, model, tmp_path, monkeypatch):
+    """Benchmarks ask several questions per video: consecutive items on one video decode it once
+    (one at a time and in batches), and each answer is the one its item gets alone."""
+    with open(evalset / "manifest.jsonl") as f:
+        first = json.loads(f.readline())
+    data = tmp_path / "data"
+    shutil.copytree(evalset / "clips", data / "clips")
+    questions = ["What colour is the circle?", first["question"], "Describe the video."]
+    with open(data / "manifest.jsonl", "w") as f:
+        for i, q in enumerate(questions):
+            f.write(json.dumps(dict(first, id=f"q{i}", question=q)) + "\n")
+    decoded = []
+    monkeypatch.setattr("sparsevid.video.load_video", lambda *a, **k: decoded.append(a) or load_video(*a, **k))
+    assert cli.main(eval_args(data, model, tmp_path / "one")) == 0
+    assert len(decoded) == 1
+    assert cli.main(eval_args(data, model, tmp_path / "two", "--batch", "2")) == 0
+    assert len(decoded) == 2
+    shared = answers(read(tmp_path / "one"))
+    assert answers(read(tmp_path / "two")) == shared
+    for i, q in enumerate(questions):  # each item alone, in a manifest of its own
+        alone = tmp_path / f"alone{i}"
+        shutil.copytree(evalset / "clips", alone / "clips")
+        with open(alone / "manifest.jsonl", "w") as f:
+            f.write(json.dumps(dict(first, id=f"q{i}", question=q)) + "\n")
+        assert cli.main(eval_args(alone, model, tmp_path / f"out{i}")) == 0
+        assert answers(read(tmp_path / f"out{i}")) == {k: v for k, v in shared.items() if k[0] == f"q{i}"}
+
+
 def test_batches_put_like_questions_together():
     """`--batch` fills its batches with items asking the same question (then by frames, then in
     manifest order), so a batch's answers tend to end together."""
