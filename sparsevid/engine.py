@@ -604,8 +604,11 @@ class GammaPlan:
     right: at 9,216 visual tokens a 3-token probe accepted in full ran about 1.3x a dense step's
     rate, yet after one such probe α = 0.8 and the doubled wait left at most two probes in 48
     tokens); each time a probe with a rejection ends in dense steps the wait doubles (up to
-    `max_wait`), and it stops at once where the costs say that even a draft whose every token is
-    accepted cannot pay. So a run whose draft cannot pay costs about what dense costs.
+    `max_wait`), and it stops where the costs of two drafting rounds or more say that even a draft
+    whose every token is accepted cannot pay (never on one: a run's first draft steps read slower,
+    at batch 8 and 4,608 visual tokens a first 3-token probe 24-28 ms where the later ones took
+    20-22, and one such reading had stopped the run's drafting for good). So a run whose draft
+    cannot pay costs about what dense costs.
 
     Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
     α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows
@@ -681,7 +684,7 @@ class GammaPlan:
         costs = (self.t_draft, self.t_dense, self.t_row or 0.0)
         g = best_gamma(self.alphas(live), g_max, *costs, padded=self.padded)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay yet
-            if best_gamma(1.0, g_max, *costs, padded=self.padded) == 0:
+            if best_gamma(1.0, g_max, *costs, padded=self.padded) == 0 and len(self.draft_s) > 1:
                 self.wait = self.max_wait  # hopeless: not even a draft accepted in full could pay
             elif self.full:  # nothing rejected: evidence is still short, so probe again at once
                 return min(self.probe, g_max), "probe"

@@ -302,7 +302,17 @@ def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense
         dear.observe(0, 0.0, 1.0, 0)
     assert dear.choose(40) == (3, "probe")
     dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)  # draft steps as dear as dense steps, all accepted
+    assert dear.choose(40) == (3, "probe")  # one reading decides nothing (a run's first draft steps are slower)
+    dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)
     assert dear.choose(40) == (0, "best") and dear.wait == dear.max_wait  # hopeless: never again
+    cold = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    for _ in range(4):
+        cold.observe(0, 0.0, 1.0, 0)
+    cold.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)  # a run's first probe, slow as dense steps
+    assert cold.choose(40) == (3, "probe")
+    for _ in range(2):
+        cold.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # then the draft's own cost
+    assert cold.choose(40)[0] > 0  # it drafts
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
     for _ in range(4):
         cheap.observe(0, 0.0, 1.0, 0)
