@@ -353,7 +353,7 @@ def _drop_last_token(inputs):
     kw = {k: (v[:, :-1] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == 1 and v.shape[1] == m
               else v) for k, v in inputs.model_kwargs.items()}
     return type(inputs)(kw, inputs.visual_positions, inputs.token_grid, inputs.grid, inputs.frames,
-                        inputs.timestamps)
+                        inputs.timestamps, inputs.vision)  # the same video: its vision-tower outputs shared
 
 
 @torch.inference_mode()
