@@ -20,6 +20,7 @@ import pytest
 import _appserver
 from sparsevid import demo, plots
 from sparsevid.demo import backend, worker
+from sparsevid.video import load_video as worker_load
 from sparsevid.errors import InputError
 from sparsevid.methods import METHODS, all_options, check_settings
 from sparsevid.options import add_arguments, values_from_args
@@ -293,6 +294,26 @@ def test_run_streams_partial_answers(tiny_model_dir, tmp_path):
     kept = final.view.kept["std"]
     assert all(m.shape[1] == final.view.token_grid.shape[0] for m in kept.values())
     assert final.traces["std"].token_ids == final.traces["dense"].token_ids
+
+
+def test_a_follow_up_question_on_the_same_upload_is_not_decoded_again(tiny_model_dir, tmp_path, monkeypatch):
+    """Users ask several questions about one upload: the second question reuses the decoded frames
+    (and answers as a fresh decode would); another frame count or a changed file decodes again."""
+    clip = _appserver.write_clip(str(tmp_path / "c.mp4"), n=8)
+    model = tiny_model_dir("qwen2_vl")
+    calls = []
+    monkeypatch.setattr(worker, "load_video", lambda *a, **k: calls.append(a) or worker_load(*a, **k))
+    first = list(demo.run_comparison(clip, Q, model, 4, ["std"], {}, 6, min_interval=0.005))[-1]
+    again = list(demo.run_comparison(clip, "how many objects ?", model, 4, ["std"], {}, 6, min_interval=0.005))[-1]
+    assert first.error is None and again.error is None and len(calls) == 1
+    worker._DECODED.clear()
+    fresh = list(demo.run_comparison(clip, "how many objects ?", model, 4, ["std"], {}, 6, min_interval=0.005))[-1]
+    assert len(calls) == 2 and fresh.traces["dense"].token_ids == again.traces["dense"].token_ids
+    list(demo.run_comparison(clip, Q, model, 6, ["std"], {}, 6, min_interval=0.005))
+    assert len(calls) == 3  # another frame count
+    _appserver.write_clip(clip, n=10)  # the same path, another file
+    list(demo.run_comparison(clip, Q, model, 6, ["std"], {}, 6, min_interval=0.005))
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("text", ["1", "0.1"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -54,6 +55,30 @@ class Update:
 
 class Cancelled(Exception):
     """Raised in the worker at the next token once its run is cancelled."""
+
+
+_DECODED: dict = {}  # the last video decoded: {(path, size, modified, frames): Video}
+_DECODED_LOCK = threading.Lock()
+
+
+def decoded(video, n_frames: int):
+    """`load_video` with the app's limits, the last video kept: a follow-up question on the same
+    upload (the same file, size, modification time and frame count) reuses its frames instead of
+    decoding it again. Any problem is `load_video`'s own error."""
+    try:
+        st = os.stat(video)
+        key = (os.path.realpath(video), st.st_size, st.st_mtime_ns, int(n_frames))
+    except (OSError, TypeError, ValueError):
+        key = None  # load_video says what is wrong with it
+    with _DECODED_LOCK:
+        if key is not None and key in _DECODED:
+            return _DECODED[key]
+    vid = load_video(video, n_frames, max_bytes=MAX_UPLOAD_MB * 2**20, max_duration=MAX_MINUTES * 60)
+    if key is not None:
+        with _DECODED_LOCK:
+            _DECODED.clear()
+            _DECODED[key] = vid
+    return vid
 
 
 def card(name: str, text: str, trace=None, fig: dict | None = None, state: str = "") -> str:
@@ -212,7 +237,7 @@ def _run(video, question, model, n_frames, methods, settings, max_new_tokens, mi
         if note:
             yield Update(status=note, note=note, progress=(0.01, "Question outside the model's scope"))
         yield Update(status="Decoding video frames…", progress=(0.02, "Decoding video frames"))
-        vid = load_video(video, n_frames, max_bytes=MAX_UPLOAD_MB * 2**20, max_duration=MAX_MINUTES * 60)
+        vid = decoded(video, n_frames)
     except Exception as e:  # noqa: BLE001 - never a traceback in the UI
         msg = _failure(e, "run (before decoding)")
         yield Update(status=f"⚠️ {msg}", error=msg, note=note)
@@ -440,7 +465,7 @@ def _compare_rows_stream(video, questions, model, n_frames, methods, settings, m
         _, names, n_frames, max_new_tokens = _check(video, questions[0], n_frames, methods, settings, max_new_tokens)
         model = model or backend.default_model()
         note = " ".join(dict.fromkeys(n for n in (scope_note(q, model) for q in questions) if n))
-        vid = load_video(video, n_frames, max_bytes=MAX_UPLOAD_MB * 2**20, max_duration=MAX_MINUTES * 60)
+        vid = decoded(video, n_frames)
         settings = settings_from(settings)
     except Exception as e:  # noqa: BLE001 - one line, never a traceback
         raise InputError(_failure(e, "batched comparison (before decoding)")) from None
