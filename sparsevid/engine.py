@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 import inspect
 import statistics
 import time
@@ -136,6 +137,17 @@ def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=Non
 VIDEO_PIXELS = "pixel_values_videos"  # the one model input only the vision tower reads
 
 
+def takes_encoder_outputs(loaded: Loaded) -> bool:
+    """The model's forward takes precomputed vision-tower outputs (transformers' `mm_encoder_outputs`,
+    in the pinned 5.23; with a transformers without it, each prefill runs the tower itself)."""
+    return _takes_encoder_outputs(type(loaded.model.model))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_encoder_outputs(cls) -> bool:
+    return "mm_encoder_outputs" in inspect.signature(cls.forward).parameters
+
+
 @torch.inference_mode()
 def encode(loaded: Loaded, inputs: VideoInputs) -> float:
     """Run the video's vision tower once per video and model: its outputs are kept in
@@ -146,8 +158,8 @@ def encode(loaded: Loaded, inputs: VideoInputs) -> float:
     one time it ran; 0 for a prompt without video). A run encodes its prompts before its own
     timing and memory window (`Rows`) and counts these seconds in its prefill time, so every run's
     figures are what it costs on its own, whichever run encoded."""
-    if VIDEO_PIXELS not in inputs.model_kwargs:
-        return 0.0
+    if VIDEO_PIXELS not in inputs.model_kwargs or not takes_encoder_outputs(loaded):
+        return 0.0  # the prefill runs the tower itself
     held = inputs.vision
     if held.get("model") is not loaded.model:
         t0 = time.perf_counter()
@@ -168,7 +180,8 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
     position's logits [V] and sets `run.position_offset` (decode position minus cache length)."""
     encode(loaded, inputs)
     kw = dict(inputs.model_kwargs)
-    if kw.pop(VIDEO_PIXELS, None) is not None:
+    if inputs.vision.get("model") is loaded.model:  # the tower's outputs in place of the pixels
+        del kw[VIDEO_PIXELS]
         kw["mm_encoder_outputs"] = {"video": inputs.vision["outputs"]}
     positions, next_position = loaded.adapter.positions(loaded.model, inputs)
     kw.update({} if positions is None else dict(position_ids=positions))

@@ -188,6 +188,11 @@ def test_vision_tower_runs_once_per_inputs(arch, tiny_loaded, frames, monkeypatc
     with text_attention(loaded.model, "sdpa"), torch.no_grad():
         ref = loaded.model(**inputs.model_kwargs, use_cache=False).logits[0, -1]
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    # a transformers whose models take no encoder outputs: every prefill runs the tower, same tokens
+    monkeypatch.setattr(engine, "takes_encoder_outputs", lambda loaded: False)
+    other = loaded.adapter.build_inputs(frames, QUESTION)
+    assert [engine.decode(loaded, other, max_new_tokens=4).token_ids for _ in range(2)] == [first[0].token_ids] * 2
+    assert len(calls) == 1 + 1 + 2 and not other.vision  # once shared, once the reference forward, once a prefill
 
 
 @pytest.mark.parametrize("arch_", ["qwen2_vl", "qwen2_5_vl"])
