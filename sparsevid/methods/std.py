@@ -35,11 +35,11 @@ class TopK:
 
     def select(self, layer: int, stats: LayerStats, prompt: Prompt) -> LayerSelection | None:
         """relevance [Hkv, m] -> Hkv rows of K + m_t sorted prompt positions (None: keeps all)."""
+        if not self.selects(layer, prompt):  # K keeps every visual token: the draft is dense
+            return None
         vis = prompt.visual_positions.to(stats.relevance.device)
         text = text_positions(prompt).to(vis.device)
-        K = visual_budget(self.k, len(vis), len(text))
-        if K >= len(vis):
-            return None
+        K = visual_budget(self.k, prompt.m_v, prompt.m_t)
         top = stats.relevance[:, vis].topk(K, dim=1).indices  # [Hkv, K]
         return uniform_selection(torch.cat([text.expand(top.shape[0], -1), vis[top]], dim=1))
 
