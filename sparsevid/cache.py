@@ -481,6 +481,13 @@ class KVCache(Cache):
         if not self.store_dense:
             self.mode = "sparse"
 
+    def rewind(self) -> None:
+        """Back to the state right after the prefill (`engine.Prefilled`): decoding writes only past
+        the prompt, so forgetting what it wrote is a change of lengths."""
+        assert self.stack is None and self.reserved is None, "a batch row's cache is not rewound"
+        self.dense_len = self.sparse_len = self.prompt_len
+        self.mode = "dense" if self.store_dense else "sparse"
+
     def set_sparse(self, layer: int, sparse: SparseKV) -> None:
         self.layers[layer].sparse = sparse
 

@@ -134,6 +134,29 @@ def new_run(loaded: Loaded, inputs: VideoInputs, capacity_extra: int, policy=Non
     return Run(cache, prompt_of(loaded, inputs), policy, keep_stats, copy_all)
 
 
+@dataclass
+class Prefilled:
+    """A prompt's state right after its prefill, kept to decode it again without prefilling it
+    (`runs.compare`'s decode-only timing passes): the run, whose caches hold the prompt's KV
+    (decoding writes only past the prompt, so they stay as the prefill left them), the prefill's
+    last logits [V] and its seconds (its video's vision tower included). Pass it as a row's
+    `prefilled` (`decode_rows`, `speculative_decode_rows`: one row at a time) and the row starts
+    from here, the same first token and the same caches; `release` when done with it."""
+
+    run: Run
+    logits: torch.Tensor
+    prefill_s: float
+
+    def rewind(self) -> Run:
+        """The run as its prefill left it (what an earlier decoding wrote forgotten: lengths)."""
+        self.run.cache.rewind()
+        self.run.fast_steps = 0
+        return self.run
+
+    def release(self) -> None:
+        self.run.cache.release()
+
+
 VIDEO_PIXELS = "pixel_values_videos"  # the one model input only the vision tower reads
 
 
@@ -359,12 +382,17 @@ class _Rows:
     random generator, `seeds[b]`, default `sampling.seed`), prefill seconds, and its decode
     seconds and step times: the sum of the steps (or rounds) it took part in (`timed`), so another
     row's prefill between two steps is not counted in its decode time. `finish(b)` is called as row
-    b ends (its trace, then its cache is released)."""
+    b ends (its trace, then its cache is released). One row at a time (width 1) may also start from
+    a kept prefill (`prefilled[b]`, a `Prefilled`: no prefill, its seconds counted) or keep its own
+    (`keep`: a list that receives each row's `Prefilled` as its prefill ends; its cache is then the
+    list owner's to release)."""
 
     def __init__(self, loaded: Loaded, inputs: list[VideoInputs], make_run, sampling: Sampling,
                  seeds: list[int] | None, on_token, max_new_tokens: int, width: int | None = None, begin=None,
-                 finish=None):
+                 finish=None, prefilled: list | None = None, keep: list | None = None):
         B = len(inputs)
+        self.prefilled, self.keep = prefilled or [None] * B, keep
+        assert (prefilled is None and keep is None) or min(width or B, B) == 1, "kept prefills: one row at a time"
         self.loaded, self.inputs, self.make_run, self.sampling, self.on_token = loaded, inputs, make_run, sampling, on_token
         self.eos, self.max_new_tokens = sampling.eos(loaded), max_new_tokens
         self.begin, self.finish = begin, finish
@@ -409,12 +437,20 @@ class _Rows:
 
     def _prefill_next(self) -> int | None:
         b = self.waiting.pop(0)
-        x = self.inputs[b]
-        run = self.runs[b] = self.runs[b] or self.make_run(x)
-        t0 = time.perf_counter()
-        self.outs[b] = [choose(prefill(self.loaded, x, run), self.sampling, self.gens[b])]
-        sync(self.loaded.device)
-        self.prefill_s[b] = time.perf_counter() - t0 + self.vision_s[b]  # its video's vision tower counted
+        x, kept = self.inputs[b], self.prefilled[b]
+        if kept is not None:  # decode again from a kept prefill: the same first token, the same caches
+            self.runs[b] = kept.rewind()
+            self.outs[b] = [choose(kept.logits, self.sampling, self.gens[b])]
+            self.prefill_s[b] = kept.prefill_s
+        else:
+            run = self.runs[b] = self.runs[b] or self.make_run(x)
+            t0 = time.perf_counter()
+            logits = prefill(self.loaded, x, run)
+            self.outs[b] = [choose(logits, self.sampling, self.gens[b])]
+            sync(self.loaded.device)
+            self.prefill_s[b] = time.perf_counter() - t0 + self.vision_s[b]  # its video's vision tower counted
+            if self.keep is not None:
+                self.keep.append(Prefilled(run, logits, self.prefill_s[b]))
         if self.on_token is not None:
             self.on_token(b, self.outs[b][0])
         if self.begin is not None:
@@ -434,7 +470,17 @@ class _Rows:
     def end(self, b: int) -> None:
         if self.finish is not None:
             self.finish(b)
-        self.runs[b].cache.release()
+        if self.prefilled[b] is None and self.keep is None:  # a kept prefill's owner releases it
+            self.runs[b].cache.release()
+
+    def close(self, traces: list[Trace]) -> None:
+        """The pass is over: each trace gets the pass's peak memory and batch time and says whether
+        its prefill was reused."""
+        peak = _peak(self.loaded.device, self.loaded.pool)
+        for b, t in enumerate(traces):
+            t.peak_memory_bytes, t.peak_memory_source = peak
+            t.batch_decode_s = self.total_s
+            t.prefill_reused = self.prefilled[b] is not None
 
     def next(self) -> list[int]:
         """After a step: rows that are done leave, waiting prompts join; the live rows. A prompt that
@@ -470,7 +516,7 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
                 max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                 on_token: Callable[[int, int], None] | None = None, keep_stats: bool = False,
                 run_out: list | None = None, capacity_tokens: int = 0, seeds: list[int] | None = None,
-                width: int | None = None) -> list[Trace]:
+                width: int | None = None, prefilled: list | None = None, keep: list | None = None) -> list[Trace]:
     """Dense decoding (policy None) or a policy applied directly (lossy; compact caches only) of one
     or several prompts decoded together (batched: one step serves every row; each row is prefilled
     on its own, keeps its own lengths, positions and selections, and leaves the batch when it ends).
@@ -480,7 +526,8 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
     it captured). `width`: at most that many rows live at once, a waiting prompt joining as a row
     ends (continuous batching, `_Rows`; default all at once). A row's `decode_s` is the sum of the
     steps it took part in. `seeds`: each row's random seed when sampling (default `sampling.seed` for
-    every row: each row draws as its own one-row run would)."""
+    every row: each row draws as its own one-row run would). `prefilled` / `keep` (one row at a
+    time): start rows from kept prefills / keep theirs (`Prefilled`)."""
     dev = loaded.device
     traces: list[Trace | None] = [None] * len(inputs)
 
@@ -495,7 +542,7 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
 
     rows = _Rows(loaded, inputs, lambda x: new_run(loaded, x, max(max_new_tokens, capacity_tokens) + 1, policy,
                                                    store_dense=policy is None, keep_stats=keep_stats),
-                 sampling, seeds, on_token, max_new_tokens, width, finish=finish)
+                 sampling, seeds, on_token, max_new_tokens, width, finish=finish, prefilled=prefilled, keep=keep)
     live = rows.admit()
     while live:
         ts = time.perf_counter()
@@ -507,10 +554,7 @@ def decode_rows(loaded: Loaded, inputs: list[VideoInputs], *, method: str = "den
         sync(dev)
         rows.timed(time.perf_counter() - ts)
         live = rows.next()
-    peak = _peak(dev, loaded.pool)
-    for t in traces:
-        t.peak_memory_bytes, t.peak_memory_source = peak
-        t.batch_decode_s = rows.total_s
+    rows.close(traces)
     return traces
 
 
@@ -754,7 +798,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                             gamma: int = 9, adaptive: bool = False, max_new_tokens: int = 96,
                             sampling: Sampling = Sampling(), on_token: Callable[[int, int], None] | None = None,
                             capacity_tokens: int = 0, seeds: list[int] | None = None,
-                            width: int | None = None) -> list[Trace]:
+                            width: int | None = None, prefilled: list | None = None,
+                            keep: list | None = None) -> list[Trace]:
     """Speculative decoding with any draft, verified by dense: lossless (the StD paper, Leviathan et
     al.'s acceptance rule), of one or several prompts decoded together (each row with its own copy
     of `draft`, its own caches, lengths and random generator).
@@ -766,8 +811,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
     argmax. Sampling: accept draft token x with probability min(1, p(x)/q(x)), else resample from
     norm(max(p - q, 0)). Rollback of either cache is a change of its length, per row. A row that
     ends leaves the batch. With `adaptive`, each round's γ (at most `gamma`, 0 = a plain dense step)
-    comes from the batch's measured costs and every row's acceptance (`GammaPlan`). `seeds` and
-    `width` (continuous batching): as in `decode_rows`.
+    comes from the batch's measured costs and every row's acceptance (`GammaPlan`). `seeds`, `width`
+    (continuous batching), `prefilled` and `keep`: as in `decode_rows`.
     """
     dev = loaded.device
     eos = sampling.eos(loaded)
@@ -801,7 +846,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
 
     rows = _Rows(loaded, inputs, lambda x: new_run(loaded, x, max(max_new_tokens, capacity_tokens) + gamma + 2,
                                                    draft.policy, store_dense=True, copy_all=not refresh),
-                 sampling, seeds, on_token, max_new_tokens, width, begin=begin, finish=finish)
+                 sampling, seeds, on_token, max_new_tokens, width, begin=begin, finish=finish, prefilled=prefilled,
+                 keep=keep)
     runs, outs, gens = rows.runs, rows.outs, rows.gens
     plan = GammaPlan(gamma, adaptive, draft_is_dense=False, padded=padded_rows(loaded, gamma + 1))
     live = rows.admit()
@@ -871,10 +917,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
             rounds[b].append(Round(proposed[b], acc[b][0], committed[b][-1] if len(committed[b]) == acc[b][0] + 1 else None,
                                    tv - ts, te - tv, gamma=g, why=why))
         live = rows.next()
-    peak = _peak(dev, loaded.pool)
-    for t in traces:
-        t.peak_memory_bytes, t.peak_memory_source = peak
-        t.batch_decode_s = rows.total_s
+    rows.close(traces)
     return traces
 
 

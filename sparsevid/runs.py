@@ -20,7 +20,7 @@ import torch
 
 from . import kernels
 from .adapters import VideoInputs
-from .engine import LayerSkipDraft, PolicyDraft, Sampling, decode, decode_rows, speculative_decode_rows
+from .engine import LayerSkipDraft, PolicyDraft, Prefilled, Sampling, decode, decode_rows, speculative_decode_rows
 from .methods import METHODS, check_settings, configure, parse_methods
 from .metrics import efficiency_pct, ratios
 from .models import Loaded
@@ -49,28 +49,33 @@ def _with_head_scores(config, loaded: Loaded):
 
 def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | None = None,
                max_new_tokens: int = 96, sampling: Sampling = Sampling(),
-               on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0) -> Trace:
+               on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0,
+               prefilled: Prefilled | None = None, keep: list | None = None) -> Trace:
     """Run method `name` on the prompt with settings {key: value} (see `methods.all_options`);
-    `capacity_tokens`: its cache sized for that many tokens (`engine.decode`)."""
+    `capacity_tokens`: its cache sized for that many tokens (`engine.decode`). `prefilled`: decode
+    from this kept prefill of the same method and prompt instead of prefilling; `keep`: a list that
+    receives this run's prefill (`engine.Prefilled`; its owner releases it)."""
     cb = None if on_token is None else (lambda row, tok: on_token(tok))
-    return run_rows(loaded, [inputs], name, settings, max_new_tokens, sampling, cb, capacity_tokens)[0]
+    return run_rows(loaded, [inputs], name, settings, max_new_tokens, sampling, cb, capacity_tokens,
+                    prefilled=None if prefilled is None else [prefilled], keep=keep)[0]
 
 
 def run_rows(loaded: Loaded, inputs: list[VideoInputs], name: str, settings: dict | None = None,
              max_new_tokens: int = 96, sampling: Sampling = Sampling(),
              on_token: Callable[[int, int], None] | None = None, capacity_tokens: int = 0,
-             seeds: list[int] | None = None, width: int | None = None) -> list[Trace]:
+             seeds: list[int] | None = None, width: int | None = None, prefilled: list | None = None,
+             keep: list | None = None) -> list[Trace]:
     """`run_method` of several prompts decoded together (batched decoding): one trace per row;
     `on_token(row, token)`; `seeds`: each row's random seed when sampling (default: `sampling.seed`);
     `width`: at most that many rows at once, the next prompt joining as a row ends (continuous
-    batching; default: all at once)."""
+    batching; default: all at once); `prefilled` / `keep`: per row, as in `run_method`."""
     method = METHODS[name]
     config, spec = configure(name, settings)
     hs = None
     if getattr(config, "needs_head_scores", False):
         config, hs = _with_head_scores(config, loaded)
     kw = dict(method=name, max_new_tokens=max_new_tokens, sampling=sampling, on_token=on_token,
-              capacity_tokens=capacity_tokens, seeds=seeds, width=width)
+              capacity_tokens=capacity_tokens, seeds=seeds, width=width, prefilled=prefilled, keep=keep)
     if method.kind == "dense":
         traces = decode_rows(loaded, inputs, **kw)
     elif method.kind == "direct":
@@ -317,10 +322,12 @@ def dense_pair_s(before: Trace, after: Trace) -> float:
 
 
 def _median_times(runs: list[Trace], pairs: list[float] | None = None) -> Trace:
-    """The first run, with prefill and decode times the medians over `runs` (same tokens), each
-    run's decode time kept and, for a method, the dense decode time each run is paired with."""
+    """The first run, with prefill and decode times the medians over `runs` (same tokens; the
+    prefill's over the runs that prefilled), each run's decode time kept and, for a method, the
+    dense decode time each run is paired with."""
     t = runs[0]
-    return dataclasses.replace(t, prefill_s=statistics.median(r.prefill_s for r in runs),
+    prefills = [r.prefill_s for r in runs if not r.prefill_reused] or [r.prefill_s for r in runs]
+    return dataclasses.replace(t, prefill_s=statistics.median(prefills), prefill_reused=False,
                                decode_s=statistics.median(r.decode_s for r in runs),
                                decode_runs_s=[r.decode_s for r in runs], dense_pair_s=list(pairs or []),
                                batch_decode_s=statistics.median(r.batch_decode_s or r.decode_s for r in runs),
@@ -344,9 +351,15 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     and after it (as in `bench`); `on_pass(i)` is called as pass i (2..repeats) starts. With
     `max_repeats` > repeats, more passes follow, up to `max_repeats`, while the timing passes so far
     plus one more as long as the last fit in `budget_s` seconds (more pairs where they are cheap:
-    short clips and answers). A method's decode speedup is the median of its paired ratios
-    (`metrics.decode_speedup`), its other times the medians of its passes; dense's times are the
-    medians of all its runs (the tokens are the same)."""
+    short clips and answers). Those extra passes time decoding only: each run decodes from the
+    state its method's first run kept after its prefill (`engine.Prefilled`: the same first token
+    and caches, so the same tokens), where a prefill of a long clip would cost several times its
+    decoding (256 frames: ~0.33 s against ~0.04 s). Not on CUDA, whose runs share pooled buffers
+    that captured graphs are tied to (`cache.BufferPool`): holding one run's would make the next run
+    of its shapes capture anew inside a timed pass. A method's decode speedup is the median of its
+    paired ratios (`metrics.decode_speedup`), its other times the medians of its passes (prefill:
+    of its `repeats` prefills); dense's times are the medians of all its runs (the tokens are the
+    same)."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
@@ -358,30 +371,45 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
                 on_token(name, tok)
         return cb
 
+    kept: dict[str, Prefilled] = {}  # each name's first run's prefill, for the decode-only passes
+    keeping = len(names) > 1 and (max_repeats or 0) > repeats and loaded.pool is None
+
+    def run(name: str, on_tok: Callable[[int], None], decode_only: bool = False) -> Trace:
+        keep = [] if keeping and name not in kept else None
+        t = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, on_tok,
+                       prefilled=kept.get(name) if decode_only else None, keep=keep)
+        if keep:
+            kept[name] = keep[0]
+        return t
+
     if warmup:
         warm_up(loaded, inputs, callback(None), names, settings, max_new_tokens)
-    dense_runs = [run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback("dense"))]
-    if on_result is not None:
-        on_result(dense_runs[0])
-    traces = {"dense": dense_runs[0]}
-    for name in names[1:]:
-        traces[name] = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(name))
+    try:
+        dense_runs = [run("dense", callback("dense"))]
         if on_result is not None:
-            on_result(traces[name])
-    if len(names) > 1:  # dense again after the methods: the first pass's pair is the mean of both runs
-        dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
-    passes = {name: [traces[name]] for name in names[1:]}
-    pairs = {name: [dense_pair_s(dense_runs[0], dense_runs[-1])] for name in names[1:]}
-    start, last, i = time.perf_counter(), 0.0, 2
-    while len(names) > 1 and (i <= repeats or (i <= (max_repeats or 0) and time.perf_counter() - start + last <= budget_s)):
-        if on_pass is not None:  # timing only: each method between two dense runs
-            on_pass(i)
-        t0, i = time.perf_counter(), i + 1
+            on_result(dense_runs[0])
+        traces = {"dense": dense_runs[0]}
         for name in names[1:]:
-            passes[name].append(run_method(loaded, inputs, name, settings, max_new_tokens, sampling, callback(None)))
-            dense_runs.append(run_method(loaded, inputs, "dense", settings, max_new_tokens, sampling, callback(None)))
-            pairs[name].append(dense_pair_s(dense_runs[-2], dense_runs[-1]))
-        last = time.perf_counter() - t0
+            traces[name] = run(name, callback(name))
+            if on_result is not None:
+                on_result(traces[name])
+        if len(names) > 1:  # dense again after the methods: the first pass's pair is the mean of both runs
+            dense_runs.append(run("dense", callback(None)))
+        passes = {name: [traces[name]] for name in names[1:]}
+        pairs = {name: [dense_pair_s(dense_runs[0], dense_runs[-1])] for name in names[1:]}
+        start, last, i = time.perf_counter(), 0.0, 2
+        while len(names) > 1 and (i <= repeats or (i <= (max_repeats or 0) and time.perf_counter() - start + last <= budget_s)):
+            if on_pass is not None:  # timing only: each method between two dense runs
+                on_pass(i)
+            t0, decode_only, i = time.perf_counter(), i > repeats, i + 1
+            for name in names[1:]:
+                passes[name].append(run(name, callback(None), decode_only))
+                dense_runs.append(run("dense", callback(None), decode_only))
+                pairs[name].append(dense_pair_s(dense_runs[-2], dense_runs[-1]))
+            last = time.perf_counter() - t0
+    finally:
+        for k in kept.values():
+            k.release()
     traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}

@@ -129,6 +129,10 @@ class Trace:
     # the decode time of the batch this row was decoded in: every step (round) once, the whole pass
     # with continuous batching (`engine.decode_rows`' width); one row: its decode_s
     batch_decode_s: float | None = None
+    # its prompt was not prefilled again: the run decoded from the state an earlier run of the same
+    # prompt left after its prefill (`engine.Prefilled`, `runs.compare`'s decode-only passes);
+    # prefill_s is that run's
+    prefill_reused: bool = False
 
     @property
     def total_s(self) -> float:

@@ -155,6 +155,58 @@ def test_compare_times_more_passes_while_they_fit_in_the_budget(inputs_for):
         assert len(traces["std"].dense_pair_s) == want and len(traces["dense"].decode_runs_s) == want + 1
 
 
+def test_compare_extra_passes_decode_from_the_first_runs_prefills(inputs_for, monkeypatch):
+    """The passes beyond `repeats` time decoding only: each run starts from the state its method's
+    first run kept after its prefill (no prefill, the same tokens); the prefill figures are the
+    medians of the runs that prefilled. Not where the model's buffers are pooled (CUDA: graphs are
+    tied to them), where every pass prefills."""
+    import dataclasses
+
+    from sparsevid import engine
+    from sparsevid.cache import BufferPool
+
+    loaded, inputs = inputs_for("qwen2_vl")
+    calls = []
+    real = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda *a: calls.append(1) or real(*a))
+    for model, prefills in ((loaded, 3 + 2), (dataclasses.replace(loaded, pool=BufferPool()), 3 + 2 * 3)):
+        calls.clear()
+        traces, figures = compare(model, inputs, "std", {"k": "0.5"}, max_new_tokens=8, repeats=2, max_repeats=4,
+                                  budget_s=600.0, warmup=False)
+        assert len(calls) == prefills  # pass 1: dense, std, dense; pass 2: std, dense; passes 3-4: none (CPU)
+        assert len(traces["std"].decode_runs_s) == 4 and len(traces["dense"].decode_runs_s) == 5
+        assert traces["std"].token_ids == traces["dense"].token_ids and figures["std"]["identical_to_dense"]
+        assert not traces["std"].prefill_reused and traces["std"].prefill_s > 0
+
+
+@pytest.mark.parametrize("name", ["dense", "std", "layerskip", "htsparse", "sparsemm", "htsparse-draft"])
+def test_a_run_from_a_kept_prefill_decodes_as_a_fresh_run(inputs_for, name, monkeypatch):
+    """`run_method(keep=...)` keeps the run's state after its prefill; runs from it (`prefilled=`)
+    do not prefill and give the fresh run's tokens, greedy and sampling, again and again."""
+    from sparsevid import engine
+
+    loaded, inputs = inputs_for("qwen2_vl")
+    # a fixed γ: adaptive γ's rounds follow measured times, and with them the draws from the generator
+    settings = {"k": "0.5", "budget": "0.5", "gamma": "3", "adaptive_gamma": "off"} if name != "dense" else None
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=5)):
+        keep = []
+        first = run_method(loaded, inputs, name, settings, 16, sampling, keep=keep)
+        calls = []
+        real = engine.prefill
+        monkeypatch.setattr(engine, "prefill", lambda *a: calls.append(1) or real(*a))
+        try:
+            again = [run_method(loaded, inputs, name, settings, 16, sampling, prefilled=keep[0]) for _ in range(2)]
+        finally:
+            monkeypatch.setattr(engine, "prefill", real)
+            keep[0].release()
+        assert calls == []
+        fresh = run_method(loaded, inputs, name, settings, 16, sampling)
+        assert len(first.token_ids) > 2
+        for t in again:
+            assert t.token_ids == first.token_ids == fresh.token_ids, (name, sampling)
+            assert t.prefill_reused and t.prefill_s == first.prefill_s
+
+
 def first_tokens(n, runner):
     return [tuple(runner(Sampling(temperature=1.0, seed=seed)).token_ids[:3]) for seed in range(n)]
 
