@@ -261,19 +261,25 @@ def _choose_head_steps(loaded: Loaded, inputs: VideoInputs, names, settings: dic
     `compile_steps` set to one thread where steps run on n > 1: a compiled per-head graph on two
     threads measured 0.62x of dense's step for HT-Sparse, each of its kernels a parallel region
     that wakes the sleeping thread) or eager on one or on n threads, whichever decodes fastest (a
-    run of each, medians of its steps). The answer does not depend on the choice. Returns words for
-    the message ("" where no method has such a layout or compiled won on the step count)."""
-    fast, sampling = loaded.fast, Sampling(ignore_eos=True)
+    run of each, medians of its steps; a draft's runs draft from their first round, `drafting`, and
+    its steps are its draft steps). The answer does not depend on the choice. Returns words for the
+    message ("" where no method has such a layout or compiled won on the step count)."""
+    fast, sampling, settings = loaded.fast, Sampling(ignore_eos=True), drafting(settings)
     compiled_on = loaded.head_threads or n
+
+    def steps(name: str) -> list[float]:
+        t = run_method(loaded, inputs, name, settings, max_new_tokens, sampling)
+        return t.step_s or [r.draft_s / len(r.proposed) for r in t.rounds if r.proposed]
+
     for name in (m for m in names if m != "dense"):
         before = fast.per_head_calls
-        took = {("compiled", compiled_on): run_method(loaded, inputs, name, settings, max_new_tokens, sampling).step_s}
+        took = {("compiled", compiled_on): steps(name)}
         if fast.per_head_calls == before:
             continue  # this method's steps have no per-head layout
         fast.enabled = False
         for threads in dict.fromkeys([compiled_on, n]):
             loaded.head_threads = threads
-            took[("eager", threads)] = run_method(loaded, inputs, name, settings, max_new_tokens, sampling).step_s
+            took[("eager", threads)] = steps(name)
         fast.enabled = True
         ms = {w: statistics.median(s) * 1e3 for w, s in took.items()}
         (way, threads) = min(ms, key=ms.get)
