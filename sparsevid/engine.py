@@ -662,10 +662,13 @@ class GammaPlan:
     rate, yet after one such probe α = 0.8 and the doubled wait left at most two probes in 48
     tokens); each time a probe with a rejection ends in dense steps the wait doubles (up to
     `max_wait`), and it stops where the costs of two drafting rounds or more say that even a draft
-    whose every token is accepted cannot pay (never on one: a run's first draft steps read slower,
-    at batch 8 and 4,608 visual tokens a first 3-token probe 24-28 ms where the later ones took
-    20-22, and one such reading had stopped the run's drafting for good). So a run whose draft
-    cannot pay costs about what dense costs.
+    whose every token is accepted cannot pay. On one drafting round only where it could not pay even
+    at `first_read` of its measured costs: a run's first draft steps read slower (at batch 8 and
+    4,608 visual tokens a first 3-token probe 24-28 ms where the later ones took 20-22, and one such
+    reading had stopped the run's drafting for good), but where a draft step costs what a dense step
+    costs (the embedded model at 1,152 visual tokens on a CPU: a first probe's draft steps 1.1-1.2
+    dense steps, warm ones 1.0), a second probe on a short answer is 10 % of its decoding lost. So a
+    run whose draft cannot pay costs about what dense costs.
 
     Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
     α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows
@@ -690,6 +693,8 @@ class GammaPlan:
         self.accepted = self.tested = self.dense_run = self.dense_steps = 0
         self.full = False  # the last drafting round had no rejection (every row accepted every token tested)
         self.rows: dict[int, list[int]] = {}  # row -> [accepted, tested], where rows are decoded together
+
+    first_read = 0.7  # a first drafting round's costs may be this much above the later ones' (1 / 1.4)
 
     def _median(self, xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
@@ -741,8 +746,8 @@ class GammaPlan:
         costs = (self.t_draft, self.t_dense, self.t_row or 0.0)
         g = best_gamma(self.alphas(live), g_max, *costs, padded=self.padded)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay yet
-            if best_gamma(1.0, g_max, *costs, padded=self.padded) == 0 and len(self.draft_s) > 1:
-                self.wait = self.max_wait  # hopeless: not even a draft accepted in full could pay
+            if self.hopeless(g_max, costs):
+                self.wait = self.max_wait  # not even a draft accepted in full could pay
             elif self.full:  # nothing rejected: evidence is still short, so probe again at once
                 return min(self.probe, g_max), "probe"
             else:
@@ -750,6 +755,13 @@ class GammaPlan:
         elif g > 0:
             self.wait = self.reprobe
         return g, "best"
+
+    def hopeless(self, g_max: int, costs: tuple[float, float, float]) -> bool:
+        """Not even a draft whose every token is accepted could pay at these (t_draft, t_dense, t_row):
+        on two drafting rounds or more as measured, on one at `first_read` of its draft and row costs."""
+        if len(self.draft_s) == 1:
+            costs = (costs[0] * self.first_read, costs[1], costs[2] * self.first_read)
+        return best_gamma(1.0, g_max, *costs, padded=self.padded) == 0
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int = 0, tested: int | None = None,
                 rows: dict[int, tuple[int, int]] | None = None) -> None:

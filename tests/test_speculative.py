@@ -357,6 +357,13 @@ def test_gamma_plan_measures_settled_dense_steps_probes_then_falls_back_to_dense
     assert dear.choose(40) == (3, "probe")  # one reading decides nothing (a run's first draft steps are slower)
     dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)
     assert dear.choose(40) == (0, "best") and dear.wait == dear.max_wait  # hopeless: never again
+    dearer = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
+    for _ in range(4):
+        dearer.observe(0, 0.0, 1.0, 0)
+    assert dearer.choose(40) == (3, "probe")
+    dearer.observe(3, 3 * 1.2, 1.0 + 3 * 0.45, 3)  # draft steps dearer than dense ones (the embedded model, 64 frames)
+    # even at `first_read` (0.7) of what the first probe read, a draft accepted in full could not pay: one probe decides
+    assert dearer.choose(40) == (0, "best") and dearer.wait == dearer.max_wait
     cold = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)
     for _ in range(4):
         cold.observe(0, 0.0, 1.0, 0)
