@@ -262,3 +262,25 @@ def test_the_two_thread_threshold_is_measured_once_per_machine_where_it_costs_le
         assert kernels.measure_graph_work() == work
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_cpu_kernel_splits_heads_of_different_lengths_between_threads_with_the_same_bits():
+    """A compact cache's KV heads keep different numbers of entries (SparseMM's budgets: 9,241 /
+    9,241 / 6,897 / 3,707 in a layer at 512 frames): the op cuts its items between threads where
+    their entries, not their count, are shared evenly. Any cut gives the same bits, on ATen's
+    threads and on its own, and the float64 reference's values."""
+    if not kernels.cpu_available():
+        pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
+    op, before = torch.ops.sparsevid.decode_attention, torch.get_num_threads()
+    for lens in ([2400, 2400, 1700, 900], [0, 0, 0, 2400], [2400, 3, 0, 1], [700, 700, 700, 700]):
+        (q, k, v), start, _ = inputs(1, 4, 2, 3, 24, 2500, [lens], "cpu", seed=len(lens) + lens[-1])
+        try:
+            torch.set_num_threads(1)
+            one = op(q, k, v, start, 0.2, None, 0, 0)
+            own = op(q, k, v, start, 0.2, None, 2, 0)  # the op's own two threads (a compiled one-thread step)
+            torch.set_num_threads(2)
+            aten = op(q, k, v, start, 0.2, None, 0, 0)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, own) and torch.equal(one, aten), lens
+        torch.testing.assert_close(one.double(), kernels.reference(q, k, v, start, 0.2), atol=1e-5, rtol=1e-5)
