@@ -246,13 +246,14 @@ def measure_graph_work(reps: int = 15) -> int:
     return work
 
 
-def graph_threads() -> tuple[int, int]:
+def graph_threads(compiled: bool | None = None) -> tuple[int, int]:
     """The CPU op's (threads, min_work): inside a compiled graph on fewer threads (WIDE_THREADS,
     WIDE_GRAPH_WORK), read at tracing (constants of the graph), and the op compares a call's work
     with min_work itself: a comparison here, over the graph's dynamic sizes (capacity, rows), would
     become a guard, and a verification or a video length on its other side would recompile inside a
-    timed run. (0, 0) elsewhere: the step's own threads."""
-    if not torch.compiler.is_compiling() or not WIDE_THREADS:
+    timed run. (0, 0) elsewhere: the step's own threads. `compiled`: as inside a graph or not (a
+    measurement of what a compiled step's call costs, `bench.attention_kv_s`), default: whether it is."""
+    if not (torch.compiler.is_compiling() if compiled is None else compiled) or not WIDE_THREADS:
         return 0, 0
     return WIDE_THREADS, WIDE_GRAPH_WORK or GRAPH_WORK_DEFAULT
 

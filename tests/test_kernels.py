@@ -284,3 +284,14 @@ def test_the_cpu_kernel_splits_heads_of_different_lengths_between_threads_with_t
             torch.set_num_threads(before)
         assert torch.equal(one, own) and torch.equal(one, aten), lens
         torch.testing.assert_close(one.double(), kernels.reference(q, k, v, start, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_a_measurement_can_call_the_cpu_op_as_a_compiled_step_does(monkeypatch):
+    """`graph_threads(compiled=True)`: the op's thread constants of a compiled step, outside a graph
+    (`bench.attention_kv_s` times attention as the steps run it); eager calls keep the step's own."""
+    monkeypatch.setattr(kernels, "WIDE_THREADS", 2)
+    monkeypatch.setattr(kernels, "WIDE_GRAPH_WORK", 48_000)
+    assert kernels.graph_threads() == (0, 0) and kernels.graph_threads(compiled=False) == (0, 0)
+    assert kernels.graph_threads(compiled=True) == (2, 48_000)
+    monkeypatch.setattr(kernels, "WIDE_THREADS", None)  # no wider count: the step's own threads
+    assert kernels.graph_threads(compiled=True) == (0, 0)
