@@ -47,6 +47,12 @@ def _with_head_scores(config, loaded: Loaded):
     return dataclasses.replace(config, scores=hs.scores), hs
 
 
+# `compare` keeps each method's first prefill for its decode-only passes while the caches kept add up
+# to at most this many bytes (their prompt's KV); a method past it prefills in every pass. The embedded
+# model's dense cache at 256 frames is 14 MB; a 2B checkpoint's at ~30k prompt tokens ~1.7 GB each.
+KEEP_PREFILL_BYTES = 1 << 30
+
+
 def run_method(loaded: Loaded, inputs: VideoInputs, name: str, settings: dict | None = None,
                max_new_tokens: int = 96, sampling: Sampling = Sampling(),
                on_token: Callable[[int], None] | None = None, capacity_tokens: int = 0,
@@ -362,7 +368,8 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     and caches, so the same tokens), where a prefill of a long clip would cost several times its
     decoding (256 frames: ~0.33 s against ~0.04 s). Not on CUDA, whose runs share pooled buffers
     that captured graphs are tied to (`cache.BufferPool`): holding one run's would make the next run
-    of its shapes capture anew inside a timed pass. A method's decode speedup is the median of its
+    of its shapes capture anew inside a timed pass; nor beyond KEEP_PREFILL_BYTES of kept caches
+    (those methods prefill in every pass). A method's decode speedup is the median of its
     paired ratios (`metrics.decode_speedup`), its other times the medians of its passes (prefill:
     of its `repeats` prefills); dense's times are the medians of all its runs (the tokens are the
     same)."""
@@ -377,7 +384,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
                 on_token(name, tok)
         return cb
 
-    kept: dict[str, Prefilled] = {}  # each name's first run's prefill, for the decode-only passes
+    kept: dict[str, Prefilled | None] = {}  # each name's first run's prefill (None: past the cap)
     keeping = len(names) > 1 and (max_repeats or 0) > repeats and loaded.pool is None
 
     def run(name: str, on_tok: Callable[[int], None], decode_only: bool = False) -> Trace:
@@ -385,7 +392,10 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
         t = run_method(loaded, inputs, name, settings, max_new_tokens, sampling, on_tok,
                        prefilled=kept.get(name) if decode_only else None, keep=keep)
         if keep:
-            kept[name] = keep[0]
+            held = sum(k.run.cache.nbytes() for k in kept.values() if k is not None)
+            kept[name] = keep[0] if held + keep[0].run.cache.nbytes() <= KEEP_PREFILL_BYTES else None
+            if kept[name] is None:
+                keep[0].release()
         return t
 
     if warmup:
@@ -415,7 +425,8 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
             last = time.perf_counter() - t0
     finally:
         for k in kept.values():
-            k.release()
+            if k is not None:
+                k.release()
     traces.update({name: _median_times(p, pairs[name]) for name, p in passes.items()})
     dense = traces["dense"] = _median_times(dense_runs)
     return traces, {name: figures(traces[name], dense, loaded, inputs) for name in names[1:]}

@@ -159,17 +159,20 @@ def test_compare_extra_passes_decode_from_the_first_runs_prefills(inputs_for, mo
     """The passes beyond `repeats` time decoding only: each run starts from the state its method's
     first run kept after its prefill (no prefill, the same tokens); the prefill figures are the
     medians of the runs that prefilled. Not where the model's buffers are pooled (CUDA: graphs are
-    tied to them), where every pass prefills."""
+    tied to them) and not beyond `runs.KEEP_PREFILL_BYTES` of kept caches, where every pass prefills."""
     import dataclasses
 
-    from sparsevid import engine
+    from sparsevid import engine, runs
     from sparsevid.cache import BufferPool
 
     loaded, inputs = inputs_for("qwen2_vl")
     calls = []
     real = engine.prefill
     monkeypatch.setattr(engine, "prefill", lambda *a: calls.append(1) or real(*a))
-    for model, prefills in ((loaded, 3 + 2), (dataclasses.replace(loaded, pool=BufferPool()), 3 + 2 * 3)):
+    pooled = dataclasses.replace(loaded, pool=BufferPool())
+    for model, cap, prefills in ((loaded, runs.KEEP_PREFILL_BYTES, 3 + 2), (pooled, runs.KEEP_PREFILL_BYTES, 3 + 2 * 3),
+                                 (loaded, 1, 3 + 2 * 3)):  # past the cap on kept caches' bytes: every pass prefills
+        monkeypatch.setattr(runs, "KEEP_PREFILL_BYTES", cap)
         calls.clear()
         traces, figures = compare(model, inputs, "std", {"k": "0.5"}, max_new_tokens=8, repeats=2, max_repeats=4,
                                   budget_s=600.0, warmup=False)
