@@ -694,7 +694,7 @@ class GammaPlan:
         self.full = False  # the last drafting round had no rejection (every row accepted every token tested)
         self.rows: dict[int, list[int]] = {}  # row -> [accepted, tested], where rows are decoded together
 
-    first_read = 0.7  # a first drafting round's costs may be this much above the later ones' (1 / 1.4)
+    first_read = 0.7  # later rounds may cost as little as this share of a first drafting round (it read up to 1.4x)
 
     def _median(self, xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
