@@ -500,9 +500,7 @@ def attention_kv_s(loaded, inputs, max_new_tokens: int) -> float:
         k, v = (torch.randn(1, Hkv, n + max_new_tokens, D, device=dev, dtype=dtype) for _ in range(2))
         start = torch.tensor([[n]], device=dev)
         if graph:  # the op as a compiled step calls it (the graph's thread constants)
-            per_head = start.expand(1, Hkv).contiguous()
-            return lambda: torch.ops.sparsevid.decode_attention(q, k, v, per_head, D ** -0.5, None,
-                                                                *kernels.graph_threads(compiled=True))
+            return lambda: kernels.attend_cpu(q, k, v, start, D ** -0.5, compiled=True)
         return lambda: kernels.attend(q, k, v, start, D ** -0.5)
 
     with step_threads(loaded):

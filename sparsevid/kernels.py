@@ -161,16 +161,18 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     return attend_sdpa(query, k, v, start, scale, bias)
 
 
-def attend_cpu(query, k, v, start, scale, bias=None):
+def attend_cpu(query, k, v, start, scale, bias=None, compiled: bool | None = None):
     """`attend` through the C++ CPU op (see the module docstring), on the threads `call_threads`
-    gives a call of its size (it splits the keys itself, so one (sequence, KV head) is not one item)."""
+    gives a call of its size (it splits the keys itself, so one (sequence, KV head) is not one item),
+    or inside a compiled graph on those `graph_threads` gives it. `compiled`: as inside a graph or not
+    (a measurement of what a compiled step's call costs, `bench.attention_kv_s`), default: whether it is."""
     B, H, q, D = query.shape
     Hkv, N = k.shape[1], k.shape[2]
     start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     if bias is not None:
         bias = bias[None] if bias.dim() == 3 else bias
-    with threads(call_threads(query.device, B * Hkv, N, split=True)):
-        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *graph_threads())
+    with threads(None if compiled else call_threads(query.device, B * Hkv, N, split=True)):
+        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *graph_threads(compiled))
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
@@ -251,8 +253,8 @@ def graph_threads(compiled: bool | None = None) -> tuple[int, int]:
     WIDE_GRAPH_WORK), read at tracing (constants of the graph), and the op compares a call's work
     with min_work itself: a comparison here, over the graph's dynamic sizes (capacity, rows), would
     become a guard, and a verification or a video length on its other side would recompile inside a
-    timed run. (0, 0) elsewhere: the step's own threads. `compiled`: as inside a graph or not (a
-    measurement of what a compiled step's call costs, `bench.attention_kv_s`), default: whether it is."""
+    timed run. (0, 0) elsewhere: the step's own threads. `compiled`: as inside a graph or not
+    (`attend_cpu`), default: whether it is."""
     if not (torch.compiler.is_compiling() if compiled is None else compiled) or not WIDE_THREADS:
         return 0, 0
     return WIDE_THREADS, WIDE_GRAPH_WORK or GRAPH_WORK_DEFAULT
