@@ -96,7 +96,7 @@ struct Args {
 // time: their D / 8 partial products summed lane-wise, then the 8 horizontal sums done together (three
 // hadds and one cross-lane add); no transposed copy of K. s [TILE]: q . k_{j0 + j}; keys past n read
 // key n - 1 (masked later). (Two rows sharing each key's loads measured no faster.)
-template <int64_t DC>
+template <int64_t DC, bool FULL>
 inline void score_avx2(const float* q, const float* kb, int64_t kstride, int64_t j0, int64_t n, int64_t D, float* s) {
   constexpr int64_t CL = (DC > 0 ? DC : DMAX) / 8;
   const int64_t C = D / 8;
@@ -104,8 +104,9 @@ inline void score_avx2(const float* q, const float* kb, int64_t kstride, int64_t
   for (int64_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   for (int64_t j = 0; j < TILE; j += 8) {
     __m256 t[8];
+    const float* k8 = kb + (j0 + j) * kstride;
     for (int64_t u = 0; u < 8; ++u) {
-      const float* kj = kb + (j0 + std::min(j + u, n - 1)) * kstride;
+      const float* kj = FULL ? k8 + u * kstride : kb + (j0 + std::min(j + u, n - 1)) * kstride;
       t[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
       for (int64_t c = 1; c < C; ++c) t[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), t[u]);
     }
@@ -256,11 +257,11 @@ inline void accumulate512(float* o, const float* alpha, const float* p, const fl
         a1[i][z] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * TILE + j + 1]), v1, a1[i][z]);
       }
     }
-    if (Y) {
+    if (Y) {  // the same weights, their low halves (one broadcast per key and row)
       const __m256 v0 = _mm256_loadu_ps(v + 16 * Z), v1 = _mm256_loadu_ps(v + vstride + 16 * Z);
       for (int i = 0; i < NB; ++i) {
-        b0[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j]), v0, b0[i]);
-        b1[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * TILE + j + 1]), v1, b1[i]);
+        b0[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(_mm512_set1_ps(p[i * TILE + j])), v0, b0[i]);
+        b1[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(_mm512_set1_ps(p[i * TILE + j + 1])), v1, b1[i]);
       }
     }
   }
@@ -404,7 +405,8 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
     for (; shared && r0 < R; ++r0) score_t512(qrow + r0 * D, kt, D, p + r0 * TILE);
 #endif
 #if SPARSEVID_AVX2
-    for (; avx && r0 < R; ++r0) score_avx2<DC>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
+    for (; avx && n == TILE && r0 < R; ++r0) score_avx2<DC, true>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
+    for (; avx && r0 < R; ++r0) score_avx2<DC, false>(qrow + r0 * D, kb, a.ks[2], j0, n, D, p + r0 * TILE);
 #endif
     for (; r0 < R; ++r0) {  // without AVX2: over the transposed tile
       float s[TILE] = {};
@@ -471,6 +473,9 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
       constexpr int NB = DC == 24 ? 4 : DC == 64 ? 2 : 1;  // their accumulators fill 16 registers
       for (; r + NB - 1 < R; r += NB)
         accumulate512<DC, NB>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], *std::max_element(sn + r, sn + r + NB));
+      if constexpr (NB > 2)  // two rows (a step's two query heads per KV head): their chains interleave
+        for (; r + 1 < R; r += 2)
+          accumulate512<DC, 2>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], std::max(sn[r], sn[r + 1]));
       for (; r < R; ++r) accumulate512<DC, 1>(acc + r * D, al + r, p + r * TILE, vt, a.vs[2], sn[r]);
     }
 #endif
@@ -571,8 +576,11 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
       item<DC>(a, b, h, lo, hi, &m[i * R], &l[i * R], &acc[i * R * D], qrow.data(), kt.data(), p.data(), al.data(), sn.data());
     }
   });
-  // combine the splits of each row, in order: out [B, Q, H, D]
-  parallel(std::vector<int64_t>(a.B * a.Hkv, 1), threads, [&](int64_t i0, int64_t i1) {
+  // combine the splits of each row, in order: out [B, Q, H, D]. A decode step's combine is a few
+  // thousand multiply-adds, run in the calling thread: a second parallel region woke the other thread
+  // again for it (one layer at 4,700 entries on two threads 77 -> 65 us; a batch of 8 rows 607 -> 561
+  // us, with NB = 2 in `item`); a long one (a 7B verification over 64k entries) on the threads.
+  const auto combine = [&](int64_t i0, int64_t i1) {
     for (int64_t bh = i0; bh < i1; ++bh) {
       const int64_t b = bh / a.Hkv, h = bh % a.Hkv;
       for (int64_t r = 0; r < R; ++r) {
@@ -592,7 +600,9 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
     }
-  });
+  };
+  if (a.B * a.Hkv * R * splits * D < (int64_t{1} << 20)) combine(0, a.B * a.Hkv);
+  else parallel(std::vector<int64_t>(a.B * a.Hkv, 1), threads, combine);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
