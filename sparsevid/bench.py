@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import kernels
-from .engine import Sampling, step_threads, sync as sync_device
+from .engine import HopelessShapes, Sampling, step_threads, sync as sync_device
 from .errors import InputError
 from .fast import enable, state
 from .methods import check_settings, parse_methods
@@ -525,6 +525,7 @@ def paired_runs(loaded, inputs, name: str, settings, args, decoding, on_dense=No
     (as `runs.compare` pairs them) -> (each run's figures, the last run, the last dense run).
     `on_dense(dense)` is called with the dense run before each of them."""
     after = run_method(loaded, inputs, "dense", settings, args.max_new_tokens, decoding)
+    HopelessShapes(loaded).forget()  # the first run probes (as `runs.compare`'s first pass); the next may not
     out = []
     for _ in range(args.repeats):
         dense = after

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import ctypes
 import functools
 import inspect
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -670,6 +672,13 @@ class GammaPlan:
     dense steps, warm ones 1.0), a second probe on a short answer is 10 % of its decoding lost. So a
     run whose draft cannot pay costs about what dense costs.
 
+    A run at a shape where the model's previous adaptive run of the same method found the draft
+    hopeless (`carried`: `HopelessShapes`) skips its probes: it runs dense steps from the start,
+    and tries the draft only after `max_wait` of them. The first run at a shape still pays its
+    probes (at 4,608 visual tokens on a 2-core Xeon, two 3-token probes and the slower dense steps
+    after them: 3-5 % of a 48-token answer); the app's timing passes and a server asked again at that
+    length do not.
+
     Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
     α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows
     accepting little want a longer γ than their pooled rate says). Where captured graphs pad every
@@ -678,10 +687,13 @@ class GammaPlan:
     otherwise read three times the cost per row). Lossless whatever it picks."""
 
     def __init__(self, gamma: int, adaptive: bool, draft_is_dense: bool, reprobe: int = 16, probe: int = 3,
-                 warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256, padded: int | None = None):
+                 warm: int = 4, warm_max: int = 10, window: int = 9, max_wait: int = 256, padded: int | None = None,
+                 carried: bool = False):
         self.gamma, self.adaptive, self.draft_is_dense, self.reprobe = gamma, adaptive, draft_is_dense, reprobe
         self.padded = padded  # rows every verification computes (`padded_rows`), else None
-        self.wait, self.max_wait = reprobe, max_wait  # dense steps in a row before the next probe
+        self.carried = carried  # the previous run at this shape found the draft hopeless: no probe at first
+        self.found_hopeless = False  # this run found that no γ up to `gamma` could pay
+        self.wait, self.max_wait = (max_wait if carried else reprobe), max_wait  # dense steps in a row before a probe
         self.probe = probe  # a probe drafts few tokens: a draft that fails costs little
         self.warm, self.warm_max = warm, warm_max  # dense steps measured before the first probe
         self.falling = True  # the last dense steps were still getting faster (warming up)
@@ -741,6 +753,8 @@ class GammaPlan:
             return 0, "draft = dense"
         if self.warming:
             return 0, "dense step"
+        if self.carried and self.t_draft is None and self.dense_run < self.wait:
+            return 0, "hopeless here before"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
         costs = (self.t_draft, self.t_dense, self.t_row or 0.0)
@@ -748,6 +762,7 @@ class GammaPlan:
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay yet
             if self.hopeless(g_max, costs):
                 self.wait = self.max_wait  # not even a draft accepted in full could pay
+                self.found_hopeless = self.found_hopeless or g_max == self.gamma
             elif self.full:  # nothing rejected: evidence is still short, so probe again at once
                 return min(self.probe, g_max), "probe"
             else:
@@ -796,6 +811,43 @@ class GammaPlan:
             counts = self.rows.setdefault(b, [0, 0])
             counts[0] += a
             counts[1] += t
+
+
+class HopelessShapes:
+    """Where a model's adaptive runs found the draft hopeless (`GammaPlan.found_hopeless`): a key
+    of method, γ, the rows' prompt lengths and the draft's settings -> runs left that skip their
+    probes (`GammaPlan.carried`). A verdict serves `uses` runs, then a run probes again and renews
+    or drops it (a slow stretch of a shared machine must not stop drafting for good); a run that
+    drafted and did not find it hopeless drops it. Kept per model while it is loaded (`VERDICTS`)."""
+
+    uses = 2
+    VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: runs left}
+
+    def __init__(self, loaded: Loaded):
+        self.left: dict[tuple, int] = self.VERDICTS.setdefault(loaded.model, {})
+
+    @staticmethod
+    def key(method: str, gamma: int, inputs: list[VideoInputs], draft) -> tuple:
+        config = getattr(draft, "policy", None)
+        settings = () if not dataclasses.is_dataclass(config) else tuple(
+            (f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+            if isinstance(getattr(config, f.name), (int, float, str, bool, type(None))))
+        return method, gamma, tuple(x.m for x in inputs), getattr(draft, "layers", None), settings
+
+    def forget(self) -> None:
+        """Drop every verdict (`runs.compare`: the runs it shows probe as a fresh process's would)."""
+        self.left.clear()
+
+    def carried(self, key: tuple) -> bool:
+        return self.left.get(key, 0) > 0
+
+    def update(self, key: tuple, plan: GammaPlan) -> None:
+        if plan.found_hopeless:
+            self.left[key] = self.uses
+        elif plan.carried and plan.t_draft is None:  # it used the verdict (it never drafted)
+            self.left[key] -= 1
+        else:
+            self.left.pop(key, None)
 
 
 @torch.inference_mode()
@@ -861,7 +913,9 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                  sampling, seeds, on_token, max_new_tokens, width, begin=begin, finish=finish, prefilled=prefilled,
                  keep=keep)
     runs, outs, gens = rows.runs, rows.outs, rows.gens
-    plan = GammaPlan(gamma, adaptive, draft_is_dense=False, padded=padded_rows(loaded, gamma + 1))
+    shapes, shape = HopelessShapes(loaded), HopelessShapes.key(method, gamma, inputs, draft)
+    plan = GammaPlan(gamma, adaptive, draft_is_dense=False, padded=padded_rows(loaded, gamma + 1),
+                     carried=adaptive and shapes.carried(shape))
     live = rows.admit()
     while live:
         plan.draft_is_dense = all(keeps_all[b] for b in live)
@@ -930,6 +984,8 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
                                    tv - ts, te - tv, gamma=g, why=why))
         live = rows.next()
     rows.close(traces)
+    if adaptive:
+        shapes.update(shape, plan)
     return traces
 
 

@@ -20,7 +20,8 @@ import torch
 
 from . import kernels
 from .adapters import VideoInputs
-from .engine import LayerSkipDraft, PolicyDraft, Prefilled, Sampling, decode, decode_rows, speculative_decode_rows
+from .engine import (HopelessShapes, LayerSkipDraft, PolicyDraft, Prefilled, Sampling, decode, decode_rows,
+                     speculative_decode_rows)
 from .methods import METHODS, check_settings, configure, parse_methods
 from .metrics import efficiency_pct, ratios
 from .models import Loaded
@@ -372,7 +373,9 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
     (those methods prefill in every pass). A method's decode speedup is the median of its
     paired ratios (`metrics.decode_speedup`), its other times the medians of its passes (prefill:
     of its `repeats` prefills); dense's times are the medians of all its runs (the tokens are the
-    same)."""
+    same). Adaptive γ: the first pass's runs (those shown) probe their drafts as a fresh process's
+    would; where one finds its draft hopeless, the next timing passes skip the probes
+    (`engine.HopelessShapes`), as repeated runs at that shape do anywhere."""
     names = parse_methods(names)
     settings = check_settings(settings)
 
@@ -400,6 +403,7 @@ def compare(loaded: Loaded, inputs: VideoInputs, names: list[str] | str, setting
 
     if warmup:
         warm_up(loaded, inputs, callback(None), names, settings, max_new_tokens)
+    HopelessShapes(loaded).forget()  # the first pass (the runs shown) probes; the timing passes use its verdicts
     try:
         dense_runs = [run("dense", callback("dense"))]
         if on_result is not None:

@@ -75,7 +75,8 @@ class Round:
     """One speculative round: the draft's tokens, how many dense accepted, its bonus token (None when
     the answer ended first), the round's draft and verify times (verify_s includes the draft caches'
     catch-up after it: `PolicyDraft.end_round`'s refresh), its γ and why that γ (adaptive γ:
-    "dense step" to measure one, "probe", "best", "draft = dense"; fixed: "fixed")."""
+    "dense step" to measure one, "probe", "best", "draft = dense", "hopeless here before": no probe
+    where the previous run at this shape found the draft could not pay; fixed: "fixed")."""
 
     proposed: list[int]
     accepted: int

@@ -37,6 +37,16 @@ def own_calibration_cache(tmp_path, monkeypatch):
     calibration._LOADED_SCORES.clear()
 
 
+@pytest.fixture(autouse=True)
+def no_carried_gamma_verdicts():
+    """Every test starts without the verdicts earlier tests' adaptive runs left on the shared models
+    (`engine.HopelessShapes`: a draft found hopeless at a shape is not probed in the next runs there)."""
+    from sparsevid.engine import HopelessShapes
+
+    HopelessShapes.VERDICTS.clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(arch) -> folder of a saved tiny `arch` model (built once per session)."""

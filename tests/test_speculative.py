@@ -487,3 +487,48 @@ def test_adaptive_gamma_is_token_identical_and_never_runs_a_draft_that_keeps_eve
     assert whole.layers == {} and all(r.why == "draft = dense" and not r.proposed for r in whole.rounds)
     fixed = run_method(loaded, inputs, "std", {"adaptive_gamma": "off"}, 24, Sampling(ignore_eos=True))
     assert fixed.token_ids == dense.token_ids and all(r.why == "fixed" for r in fixed.rounds)
+
+
+def test_a_shape_where_the_draft_was_found_hopeless_runs_dense_steps_without_probes_for_two_runs(model_inputs):
+    """Adaptive γ remembers, per model, where a run found that not even a draft accepted in full could
+    pay (`engine.HopelessShapes`): the next two adaptive runs of that method, γ, prompt length and draft
+    settings run dense steps from the start (the probes a hopeless draft costs: 3-5 % of a 48-token
+    answer at 4,608 visual tokens on a 2-core Xeon), with dense's tokens; the run after them probes
+    again, and a run that drafts without finding it hopeless drops the verdict."""
+    from sparsevid.engine import GammaPlan, HopelessShapes
+
+    loaded, inputs = model_inputs("qwen2_vl")
+    dense = decode(loaded, inputs, max_new_tokens=24, sampling=Sampling(ignore_eos=True))
+    draft = PolicyDraft(TopK(0.25))
+    shapes, key = HopelessShapes(loaded), HopelessShapes.key("std", 9, [inputs], draft)
+    assert key != HopelessShapes.key("std", 9, [inputs], PolicyDraft(TopK(0.5)))  # the draft's settings count
+
+    def run():
+        return speculative_decode(loaded, inputs, PolicyDraft(TopK(0.25)), gamma=9, adaptive=True, max_new_tokens=24,
+                                  sampling=Sampling(ignore_eos=True))
+
+    dear = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)  # a draft step as dear as a dense step
+    for _ in range(4):
+        dear.observe(0, 0.0, 1.0, 0)
+    for _ in range(2):
+        assert dear.choose(40) == (3, "probe")
+        dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)
+    assert dear.choose(40) == (0, "best") and dear.found_hopeless
+    shapes.update(key, dear)
+    for _ in range(2):
+        carried = run()
+        assert carried.token_ids == dense.token_ids
+        assert not any(r.proposed for r in carried.rounds)
+        assert carried.rounds[-1].why == "hopeless here before" and carried.rounds[0].why == "dense step"
+    probing = run()  # the verdict served two runs: this one probes again
+    assert probing.token_ids == dense.token_ids and any(r.why == "probe" for r in probing.rounds)
+    assert shapes.left.get(key) in (None, 2)  # renewed where it found the draft hopeless again, else dropped
+    shapes.left[key] = 2
+    shapes.forget()
+    assert not shapes.carried(key)
+    cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, carried=True)
+    assert cheap.wait == cheap.max_wait
+    cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # it drafted (after max_wait dense steps) and could pay
+    shapes.left[key] = 1
+    shapes.update(key, cheap)
+    assert not shapes.carried(key)

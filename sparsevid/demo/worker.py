@@ -116,7 +116,7 @@ def card(name: str, text: str, trace=None, fig: dict | None = None, state: str =
                                    f"{f.get('rounds')} rounds (γ ≤ {f.get('gamma')}, "
                                    f"{f.get('dense_steps', 0)} of them plain dense steps)"))
     elif trace.kind == "speculative":  # adaptive γ chose dense steps only (a short answer, or a draft = dense)
-        why = trace.rounds[0].why if trace.rounds else "the answer ended at the first token"
+        why = trace.rounds[-1].why if trace.rounds else "the answer ended at the first token"
         rows.append(("acceptance", f"no draft token proposed ({len(trace.rounds)} dense steps; {why})"))
     if f.get("decode_flops_pct") is not None:
         rows.append(("cost, % of dense", f"KV {f['prefill_kv_pct']:.0f} % prefill / {f['decode_kv_pct']:.0f} % decode"
