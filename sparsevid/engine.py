@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import ctypes
+import dataclasses
 import functools
 import inspect
 import statistics
@@ -845,7 +845,7 @@ class HopelessShapes:
         if plan.found_hopeless:
             self.left[key] = self.uses
         elif plan.carried and plan.t_draft is None:  # it used the verdict (it never drafted)
-            self.left[key] -= 1
+            self.left[key] = self.left.get(key, 1) - 1
         else:
             self.left.pop(key, None)
 
