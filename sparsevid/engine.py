@@ -778,6 +778,14 @@ class GammaPlan:
             costs = (costs[0] * self.first_read, costs[1], costs[2] * self.first_read)
         return best_gamma(1.0, g_max, *costs, padded=self.padded) == 0
 
+    def conclude(self) -> None:
+        """At the run's end: whether its costs so far say the draft is hopeless (`found_hopeless`),
+        where the answer ended before a round could ask (a 15-token answer can end right after the
+        probe that would decide it, and the next run would pay its probes again)."""
+        if (self.adaptive and not self.found_hopeless and self.draft_s and self.t_dense is not None
+                and self.hopeless(self.gamma, (self.t_draft, self.t_dense, self.t_row or 0.0))):
+            self.found_hopeless = True
+
     def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int = 0, tested: int | None = None,
                 rows: dict[int, tuple[int, int]] | None = None) -> None:
         """A round: `drafted` draft steps in `draft_s`, its verification in `verify_s`, `accepted`
@@ -985,6 +993,7 @@ def speculative_decode_rows(loaded: Loaded, inputs: list[VideoInputs], draft, *,
         live = rows.next()
     rows.close(traces)
     if adaptive:
+        plan.conclude()
         shapes.update(shape, plan)
     return traces
 

@@ -514,6 +514,15 @@ def test_a_shape_where_the_draft_was_found_hopeless_runs_dense_steps_without_pro
         assert dear.choose(40) == (3, "probe")
         dear.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)
     assert dear.choose(40) == (0, "best") and dear.found_hopeless
+    short = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False)  # an answer that ends right after its probes
+    for _ in range(4):
+        short.observe(0, 0.0, 1.0, 0)
+    for _ in range(2):
+        assert short.choose(40) == (3, "probe")
+        short.observe(3, 3 * 1.0, 1.0 + 3 * 0.2, 3)
+    assert not short.found_hopeless  # no round asked after the second probe
+    short.conclude()  # the run's end asks
+    assert short.found_hopeless
     shapes.update(key, dear)
     for _ in range(2):
         carried = run()
@@ -529,6 +538,9 @@ def test_a_shape_where_the_draft_was_found_hopeless_runs_dense_steps_without_pro
     cheap = GammaPlan(gamma=9, adaptive=True, draft_is_dense=False, carried=True)
     assert cheap.wait == cheap.max_wait
     cheap.observe(3, 3 * 0.1, 1.0 + 3 * 0.02, 3)  # it drafted (after max_wait dense steps) and could pay
+    cheap.observe(0, 0.0, 1.0, 0)
+    cheap.conclude()
+    assert not cheap.found_hopeless
     shapes.left[key] = 1
     shapes.update(key, cheap)
     assert not shapes.carried(key)
