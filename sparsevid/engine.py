@@ -676,8 +676,8 @@ class GammaPlan:
     hopeless (`carried`: `HopelessShapes`) skips its probes: it runs dense steps from the start,
     and tries the draft only after `max_wait` of them. The first run at a shape still pays its
     probes (at 4,608 visual tokens on a 2-core Xeon, two 3-token probes and the slower dense steps
-    after them: 3-5 % of a 48-token answer); the app's timing passes and a server asked again at that
-    length do not.
+    after them: 3-5 % of a 48-token answer); a comparison's timing passes (`runs.compare`, whose
+    shown runs forget the verdicts and probe) and repeated runs at that length do not.
 
     Rows decoded together share each round: γ is best for the live rows' mean Ω over each row's own
     α (`rows`), not for their pooled α (Ω is convex in α: rows accepting everything beside rows

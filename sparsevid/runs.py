@@ -458,6 +458,7 @@ def compare_rows(loaded: Loaded, inputs: list[VideoInputs], names: list[str] | s
     if warmup:
         warm_up(loaded, inputs[0], lambda tok: on_token(0, tok), names, settings, max_new_tokens)
         warm_rows(loaded, inputs[:width or len(inputs)], names, settings, max_new_tokens, on_token)
+    HopelessShapes(loaded).forget()  # the runs shown probe (as `compare`'s first pass)
     first = rows("dense")
     traces = {name: rows(name) for name in names[1:]}
     last = rows("dense") if len(names) > 1 else first
