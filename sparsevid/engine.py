@@ -729,6 +729,11 @@ class GammaPlan:
         return self._median(self.row_s)
 
     @property
+    def costs(self) -> tuple[float | None, float | None, float]:
+        """(t_draft, t_dense, t_row) as `best_gamma` and `hopeless` take them (t_row 0 before any)."""
+        return self.t_draft, self.t_dense, self.t_row or 0.0
+
+    @property
     def alpha(self) -> float:
         """Per-position acceptance: of the positions tested (a round tests its accepted tokens and the
         first rejected one; tokens drafted after a rejection were never tested), the share accepted,
@@ -757,7 +762,7 @@ class GammaPlan:
             return 0, "hopeless here before"
         if self.t_draft is None or self.dense_run >= self.wait:
             return min(self.probe, g_max), "probe"
-        costs = (self.t_draft, self.t_dense, self.t_row or 0.0)
+        costs = self.costs
         g = best_gamma(self.alphas(live), g_max, *costs, padded=self.padded)
         if g == 0 and self.dense_run == 0:  # the draft just ran and does not pay yet
             if self.hopeless(g_max, costs):
@@ -783,7 +788,7 @@ class GammaPlan:
         where the answer ended before a round could ask (a 15-token answer can end right after the
         probe that would decide it, and the next run would pay its probes again)."""
         if (self.adaptive and not self.found_hopeless and self.draft_s and self.t_dense is not None
-                and self.hopeless(self.gamma, (self.t_draft, self.t_dense, self.t_row or 0.0))):
+                and self.hopeless(self.gamma, self.costs)):
             self.found_hopeless = True
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, accepted: int = 0, tested: int | None = None,
@@ -837,9 +842,9 @@ class HopelessShapes:
     @staticmethod
     def key(method: str, gamma: int, inputs: list[VideoInputs], draft) -> tuple:
         config = getattr(draft, "policy", None)
-        settings = () if not dataclasses.is_dataclass(config) else tuple(
-            (f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
-            if isinstance(getattr(config, f.name), (int, float, str, bool, type(None))))
+        values = ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config)) \
+            if dataclasses.is_dataclass(config) else ()
+        settings = tuple((k, v) for k, v in values if isinstance(v, (int, float, str, bool, type(None))))  # not tensors
         return method, gamma, tuple(x.m for x in inputs), getattr(draft, "layers", None), settings
 
     def forget(self) -> None:
