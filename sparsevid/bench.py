@@ -289,7 +289,8 @@ def batch_passes(names: list, args) -> int:
 def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches: list[int], label: dict,
                bar) -> list[dict]:
     """The prompts `inputs` decoded in batches of each size (batch 1: one at a time), dense and each
-    method, every method's pass between two dense passes (paired, medians over --repeats). A pass's
+    method, every method's pass between two dense passes (paired, medians over --repeats; the batch
+    sizes take turns within each repeat, so dense's ratio between them is interleaved too). A pass's
     tokens/s is every row's tokens over the summed decode time of its batches (a batch's decode
     time ends with its last row); each method's figures against dense per row (acceptance, the
     bound from the run's own step costs) are medians over rows. `label`: fields every row starts with."""
@@ -297,45 +298,51 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
 
     decoding = Sampling(ignore_eos=args.ignore_eos)
     warm_up(loaded, inputs[0], names=names, settings=settings, max_new_tokens=args.max_new_tokens)
-    rows, dense1 = [], None
-    for B in batches:
-        def run(name):
-            traces, decode_s = [], 0.0
-            for i in range(0, len(inputs), B):
-                part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
-                traces += part
-                decode_s += part[0].batch_decode_s
-            bar.update()
-            return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
+    rows = []
 
-        for name in names:  # first calls at this batch size (CUDA: graph captures) outside the timing
-            run(name)
-        HopelessShapes(loaded).forget()  # each method's first timed pass probes (as `paired_runs`)
-        after = run("dense")
-        per = {name: [] for name in names}
-        dense_tok_s = [after[1]]
-        for _ in range(args.repeats):
+    def run(B: int, name: str):
+        traces, decode_s = [], 0.0
+        for i in range(0, len(inputs), B):
+            part = run_rows(loaded, inputs[i:i + B], name, settings, args.max_new_tokens, decoding)
+            traces += part
+            decode_s += part[0].batch_decode_s
+        bar.update()
+        return traces, sum(len(t.token_ids) - 1 for t in traces) / decode_s
+
+    for B in batches:  # first calls at each batch size (CUDA: graph captures) outside the timing
+        for name in names:
+            run(B, name)
+    HopelessShapes(loaded).forget()  # each method's first timed pass probes (as `paired_runs`)
+    after = {B: run(B, "dense") for B in batches}
+    per = {B: {name: [] for name in names} for B in batches}
+    dense_tok_s = {B: [after[B][1]] for B in batches}
+    # The batch sizes take turns within each repeat, so a slow stretch of a shared machine (the same
+    # batch-8 attention on the same buffers moved 2.3-5.0 ms over 15 s on a 2-core VM) falls on both
+    # sides of "dense vs batch 1" rather than on one batch size's passes.
+    for _ in range(args.repeats):
+        for B in batches:
             for name in names:
-                dense = after
-                res = run(name)
-                after = run("dense")
-                dense_tok_s.append(after[1])
+                dense = after[B]
+                res = run(B, name)
+                after[B] = run(B, "dense")
+                dense_tok_s[B].append(after[B][1])
                 figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
                 adaptive = any(rd.why != "fixed" for r in res[0] for rd in r.rounds)
                 bounds = [batch_bound(figs[i:i + B], adaptive) for i in range(0, len(figs), B)]  # batch 1: each row's own
-                per[name].append(dict(
-                    speedup=res[1] / ((dense[1] + after[1]) / 2),
+                per[B][name].append(dict(
+                    speedup=res[1] / ((dense[1] + after[B][1]) / 2),
                     identical=all(r.token_ids == d.token_ids for r, d in zip(res[0], dense[0])),
                     acceptance=_median([f.get("acceptance") for f in figs]),
                     tokens_per_round=_median([f.get("tokens_per_round") for f in figs]),
                     bound=_median(bounds),
                     fast_steps=sum(r.fast_steps or 0 for r in res[0]),
                     tok_s=res[1]))
-        dense_rate = statistics.median(dense_tok_s)
-        dense1 = dense1 or dense_rate
+    dense1 = statistics.median(dense_tok_s[batches[0]])
+    for B in batches:
+        dense_rate = statistics.median(dense_tok_s[B])
         bound = dense_batch_bound(loaded, inputs[:B], args.max_new_tokens, B, dense1) if B > 1 else {}
         for name in names:
-            p = per[name]
+            p = per[B][name]
             row = dict(label, visual_tokens=inputs[0].m_v, batch=B, method=name, rows=len(inputs),
                        dense_tok_s=dense_rate, dense_vs_batch1=dense_rate / dense1,
                        tok_s=_median([x["tok_s"] for x in p]), speedup=_median([x["speedup"] for x in p]),
