@@ -555,17 +555,15 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
   if (a.B * a.Hkv * last * (R + 3) < min_work) threads = 0;
   const int64_t splits = std::max<int64_t>(1, (last + SPLIT - 1) / SPLIT), items = a.B * a.Hkv * splits;
   std::vector<float> m(items * R), l(items * R), acc(items * R * D);
+  // item i: split i % splits of (sequence, KV head) i / splits, its keys [lo, hi) (empty past what its rows see)
+  const auto end = [&](int64_t i) { return std::min({(i % splits + 1) * SPLIT, a.N, a.start[i / splits] + a.Q}); };
   std::vector<int64_t> work(items);  // entries each item reads
-  for (int64_t i = 0; i < items; ++i) {
-    const int64_t bh = i / splits, lo = (i % splits) * SPLIT;
-    work[i] = std::max<int64_t>(0, std::min({lo + SPLIT, a.N, a.start[bh] + a.Q}) - lo);
-  }
+  for (int64_t i = 0; i < items; ++i) work[i] = std::max<int64_t>(0, end(i) - (i % splits) * SPLIT);
   parallel(work, threads, [&](int64_t i0, int64_t i1) {
     std::vector<float> qrow(R * D), kt(D * TILE), p(R * TILE), al(R);
     std::vector<int64_t> sn(R);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bh = i / splits, sp = i % splits, b = bh / a.Hkv, h = bh % a.Hkv;
-      const int64_t lo = sp * SPLIT, hi = std::min({(sp + 1) * SPLIT, a.N, a.start[bh] + a.Q});
+      const int64_t bh = i / splits, b = bh / a.Hkv, h = bh % a.Hkv, lo = (i % splits) * SPLIT, hi = end(i);
       if (lo >= hi) {
         for (int64_t r = 0; r < R; ++r) {
           m[i * R + r] = -std::numeric_limits<float>::infinity();
