@@ -492,23 +492,19 @@ def shape_rounds(args) -> int:
 @torch.inference_mode()
 def attention_kv_s(loaded, inputs, max_new_tokens: int) -> float:
     """Seconds of a dense decode step that scale with the KV it reads, measured: every layer's decode
-    attention (`kernels.attend`, as a step calls it, on the step's thread count; where the steps are
-    compiled, the CPU op on the threads it takes inside a graph, `kernels.graph_threads`) over the
-    prompt's entries + half the answer, minus the same over 64 entries (the part that does not
-    scale). Measured eagerly on the step's one thread where the compiled step's op took two (a
-    machine whose WIDE_GRAPH_WORK is 48,000), it read 85 % of a 1.27-ms dense step at 9,216 visual
-    tokens where the step's attention took about half of it, and overstated the bounds."""
+    attention (`kernels.attend`, as a step calls it, on the step's thread count; the CPU op on the
+    threads it takes inside a step, `kernels.op_threads`, eager or compiled alike) over the prompt's
+    entries + half the answer, minus the same over 64 entries (the part that does not scale).
+    Measured on the step's one thread where the compiled step's op took two (a machine whose
+    WIDE_GRAPH_WORK is 48,000), it read 85 % of a 1.27-ms dense step at 9,216 visual tokens where the
+    step's attention took about half of it, and overstated the bounds."""
     dev, dtype = loaded.device, loaded.dtype
     H, Hkv, D, L = loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.num_layers
-    fast = loaded.fast
-    graph = fast is not None and fast.enabled and kernels.backend(dev) == "cpu" and dtype == torch.float32
 
     def calls(n):
         q = torch.randn(1, H, 1, D, device=dev, dtype=dtype)
         k, v = (torch.randn(1, Hkv, n + max_new_tokens, D, device=dev, dtype=dtype) for _ in range(2))
         start = torch.tensor([[n]], device=dev)
-        if graph:  # the op as a compiled step calls it (the graph's thread constants)
-            return lambda: kernels.attend_cpu(q, k, v, start, D ** -0.5, compiled=True)
         return lambda: kernels.attend(q, k, v, start, D ** -0.5)
 
     with step_threads(loaded):

@@ -161,34 +161,31 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     return attend_sdpa(query, k, v, start, scale, bias)
 
 
-def attend_cpu(query, k, v, start, scale, bias=None, compiled: bool | None = None):
-    """`attend` through the C++ CPU op (see the module docstring), on the threads `call_threads`
-    gives a call of its size (it splits the keys itself, so one (sequence, KV head) is not one item),
-    or inside a compiled graph on those `graph_threads` gives it. `compiled`: as inside a graph or not
-    (a measurement of what a compiled step's call costs, `bench.attention_kv_s`), default: whether it is."""
+def attend_cpu(query, k, v, start, scale, bias=None):
+    """`attend` through the C++ CPU op (see the module docstring), on the threads `op_threads` gives
+    it: the same in an eager step and in a compiled one (the op splits the keys itself)."""
     B, H, q, D = query.shape
-    Hkv, N = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     if bias is not None:
         bias = bias[None] if bias.dim() == 3 else bias
-    with threads(None if compiled else call_threads(query.device, B * Hkv, N, split=True)):
-        return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *graph_threads(compiled))
+    return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *op_threads())
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
-# None. An eager attention call reading at least WIDE_MIN (row, KV head, entry) triples runs on it:
+# None. An eager SDPA call reading at least WIDE_MIN (row, KV head, entry) triples runs on it:
 # a batch of 8 rows at 4,650 entries, 4 KV heads of dim 24 took 2.6 ms per layer on one thread and
 # 2.1 ms on two, switching included; switching costs ~0.15 ms, more than one row gains below that.
 WIDE_THREADS: int | None = None
 WIDE_MIN = 100_000
 
 
-# Inside a compiled step on fewer threads (no switch there), the CPU op runs its own items on
-# WIDE_THREADS where the call is long enough to pay for waking them: (sequence, KV head) pairs x
-# entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK. Where that lies depends on the CPU,
-# so it is measured once per machine (`measure_graph_work`, ~0.3 s, kept beside the op's build).
-# One layer of the embedded model's shape (4 KV heads x 2 query heads, head dim 24), one thread
-# against two (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second):
+# Inside a decode step on fewer threads, eager or compiled (a graph cannot switch threads), the CPU op
+# runs its own items on WIDE_THREADS where the call is long enough to pay for waking them:
+# (sequence, KV head) pairs x entries read x (rows per KV head + 3) at least WIDE_GRAPH_WORK. Where
+# that lies depends on the CPU, so it is measured once per machine (`measure_graph_work`, ~0.3 s, kept
+# beside the op's build). One layer of the embedded model's shape (4 KV heads x 2 query heads, head
+# dim 24), one thread against two (the op's own, under OMP_WAIT_POLICY=PASSIVE: ~0.1 ms to wake the second):
 # - 2-core Xeon (AVX-512): 4,608 entries, 4 tokens 0.34 vs 0.39 ms, 10 tokens 0.73 vs 0.58; 9,216
 #   entries, 1 token 0.37 vs 0.42, 2 tokens 0.48 vs 0.41, 4 tokens 0.68 vs 0.51; 18,432 entries,
 #   1 token 0.61 vs 0.50: two threads pay from ~240,000;
@@ -248,14 +245,15 @@ def measure_graph_work(reps: int = 15) -> int:
     return work
 
 
-def graph_threads(compiled: bool | None = None) -> tuple[int, int]:
-    """The CPU op's (threads, min_work): inside a compiled graph on fewer threads (WIDE_THREADS,
-    WIDE_GRAPH_WORK), read at tracing (constants of the graph), and the op compares a call's work
-    with min_work itself: a comparison here, over the graph's dynamic sizes (capacity, rows), would
-    become a guard, and a verification or a video length on its other side would recompile inside a
-    timed run. (0, 0) elsewhere: the step's own threads. `compiled`: as inside a graph or not
-    (`attend_cpu`), default: whether it is."""
-    if not (torch.compiler.is_compiling() if compiled is None else compiled) or not WIDE_THREADS:
+def op_threads() -> tuple[int, int]:
+    """The CPU op's (threads, min_work) inside a decode step on fewer threads: WIDE_THREADS and
+    WIDE_GRAPH_WORK (in a compiled graph read at tracing: constants of the graph), and the op
+    compares a call's work with min_work itself: a comparison here, over the graph's dynamic sizes
+    (capacity, rows), would become a guard, and a verification or a video length on its other side
+    would recompile inside a timed run. An eager step's call gets the same (so eager steps, which
+    `runs.choose_step_threads` times, spend their attention as compiled ones do). (0, 0) elsewhere:
+    the step's own threads."""
+    if not WIDE_THREADS:
         return 0, 0
     return WIDE_THREADS, WIDE_GRAPH_WORK or GRAPH_WORK_DEFAULT
 
@@ -267,20 +265,20 @@ def traced_threads() -> int:
     return torch.get_num_threads()
 
 
-def call_threads(device: torch.device, items: int, n: int, split: bool = False) -> int | None:
-    """The thread count an eager CPU attention call over `items` (sequence, KV head) pairs of `n`
-    entries runs on, or None (the step's own):
+def call_threads(device: torch.device, items: int, n: int) -> int | None:
+    """The thread count an eager SDPA call over `items` (sequence, KV head) pairs of `n` entries
+    runs on, or None (the step's own):
     - one item: one thread. The CPU flash kernel parallelises over (sequence, KV head, block of 32
       query rows); with a single one it runs it in the calling thread, outside a parallel region, so
       every small GEMM inside then wakes the other threads, once per block of keys: under
       OMP_WAIT_POLICY=PASSIVE, 2 threads, 2 query rows over 9,400 entries of head dim 24 took
       2,380 us against 102 us on one thread (one HT-Sparse full head in a group of its own: a
       decode step 3x dense's). In a compiled graph (no switch), `attend_sdpa` makes the G query
-      heads G items instead. Not for a call that splits the keys itself (`split`: the `cpu` op);
+      heads G items instead;
     - at least WIDE_MIN (item, entry) pairs inside a step on fewer threads: `WIDE_THREADS`."""
     if device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    if items == 1 and not split:
+    if items == 1:
         return 1
     return WIDE_THREADS if WIDE_THREADS is not None and items * n >= WIDE_MIN else None
 

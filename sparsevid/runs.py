@@ -125,7 +125,13 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     on eager dense steps of this prompt, one row and two rows decoded together, the two settings
     alternating step by step (medians; the first step is not kept); a model whose one-row step
     takes longer than `long_step_s` on all threads keeps them without the two-row pass (its ops are
-    large: threads pay, and its steps are costly to time). Returns `loaded.threads_note`."""
+    large: threads pay, and its steps are costly to time). The CPU op's two-thread threshold
+    (`kernels.WIDE_GRAPH_WORK`) is measured first: on one thread an eager step's attention takes the
+    op's own threads as a compiled step's does (`kernels.op_threads`), so the eager steps timed here
+    cost what the compiled ones will. Timed with the op's calls on one thread instead (an eager rule
+    of their own), a 4,608-visual-token prompt's 1- and 2-row steps tied (6.22 vs 6.21 ms summed)
+    and the choice fell on two threads, where the compiled one-row step took 1.23-1.29 ms against
+    0.97 ms on one. Returns `loaded.threads_note`."""
     if loaded.step_threads is not None:
         return loaded.threads_note
     n = torch.get_num_threads()
@@ -136,6 +142,7 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     if loaded.device.type != "cpu" or n == 1:
         loaded.step_threads = n
         return ""
+    _measure_graph_work(loaded)
     fast = loaded.fast
     enabled = fast is not None and fast.enabled
     if fast is not None:
@@ -171,14 +178,20 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     return _graph_work(loaded, n)
 
 
+def _measure_graph_work(loaded: Loaded) -> None:
+    """This machine's `kernels.WIDE_GRAPH_WORK` where steps may run through the CPU op (measured once
+    per machine, here in the warm-up, never in a timed run: a compiled graph holds it as a constant)."""
+    if (kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32
+            and kernels.WIDE_GRAPH_WORK is None):
+        kernels.WIDE_GRAPH_WORK = kernels.measure_graph_work()
+
+
 def _graph_work(loaded: Loaded, n: int) -> str:
-    """Where steps run on fewer than the process's `n` threads through the CPU op: this machine's
-    `kernels.WIDE_GRAPH_WORK` (measured once per machine, here in the warm-up, never in a timed run:
-    a compiled graph holds it as a constant), said in `loaded.threads_note`."""
+    """Where steps run on fewer than the process's `n` threads through the CPU op: the threshold
+    from which its calls take the `n` (`_measure_graph_work`), said in `loaded.threads_note`."""
     if loaded.step_threads < n and kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32:
-        if kernels.WIDE_GRAPH_WORK is None:
-            kernels.WIDE_GRAPH_WORK = kernels.measure_graph_work()
-        loaded.threads_note += (f"; a compiled step's attention call on {n} threads from "
+        _measure_graph_work(loaded)
+        loaded.threads_note += (f"; a step's attention call on {n} threads from "
                                 f"{kernels.WIDE_GRAPH_WORK:,} (pairs x entries x (rows + 3), measured)")
     return loaded.threads_note
 

@@ -286,12 +286,37 @@ def test_the_cpu_kernel_splits_heads_of_different_lengths_between_threads_with_t
         torch.testing.assert_close(one.double(), kernels.reference(q, k, v, start, 0.2), atol=1e-5, rtol=1e-5)
 
 
-def test_a_measurement_can_call_the_cpu_op_as_a_compiled_step_does(monkeypatch):
-    """`graph_threads(compiled=True)`: the op's thread constants of a compiled step, outside a graph
-    (`bench.attention_kv_s` times attention as the steps run it); eager calls keep the step's own."""
+def test_an_eager_one_thread_step_gives_the_cpu_op_the_threads_a_compiled_one_does(monkeypatch):
+    """`op_threads`: inside a step on fewer threads the op gets (WIDE_THREADS, WIDE_GRAPH_WORK),
+    eager or compiled alike, so the eager steps `runs.choose_step_threads` times spend their
+    attention as the compiled steps will; outside such a step, (0, 0): the step's own threads. The
+    op compares each call's work itself: the same bits on either side of the threshold."""
+    if not kernels.cpu_available():
+        pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
+    calls = []
+    real = torch.ops.sparsevid.decode_attention
+
+    class Op:  # records the thread arguments of each call and runs the real op
+        def __call__(self, *args):
+            calls.append(args[6:])
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.sparsevid, "decode_attention", Op(), raising=False)
+    torch.manual_seed(0)
+    q, k, v, start = torch.randn(2, 8, 2, 24), torch.randn(2, 4, 900, 24), torch.randn(2, 4, 900, 24), torch.tensor([[880], [400]])
+    own = kernels.attend_cpu(q, k, v, start, 0.2)
     monkeypatch.setattr(kernels, "WIDE_THREADS", 2)
     monkeypatch.setattr(kernels, "WIDE_GRAPH_WORK", 48_000)
-    assert kernels.graph_threads() == (0, 0) and kernels.graph_threads(compiled=False) == (0, 0)
-    assert kernels.graph_threads(compiled=True) == (2, 48_000)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        wide = kernels.attend_cpu(q, k, v, start, 0.2)
+        assert torch.get_num_threads() == 1  # no switch: the op runs its items on its own threads
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [(0, 0), (2, 48_000)]
+    assert torch.equal(own, wide)
     monkeypatch.setattr(kernels, "WIDE_THREADS", None)  # no wider count: the step's own threads
-    assert kernels.graph_threads(compiled=True) == (0, 0)
+    assert kernels.op_threads() == (0, 0)
+
+
