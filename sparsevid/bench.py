@@ -316,6 +316,7 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
     after = {B: run(B, "dense") for B in batches}
     per = {B: {name: [] for name in names} for B in batches}
     dense_tok_s = {B: [after[B][1]] for B in batches}
+    settled = {B: [settled_step_s(after[B][0])] for B in batches}
     # The batch sizes take turns within each repeat, so a slow stretch of a shared machine (the same
     # batch-8 attention on the same buffers moved 2.3-5.0 ms over 15 s on a 2-core VM) falls on both
     # sides of "dense vs batch 1" rather than on one batch size's passes.
@@ -326,6 +327,7 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                 res = run(B, name)
                 after[B] = run(B, "dense")
                 dense_tok_s[B].append(after[B][1])
+                settled[B].append(settled_step_s(after[B][0]))
                 figs = [figures(r, d, loaded, x) for r, d, x in zip(res[0], dense[0], inputs)]
                 adaptive = any(rd.why != "fixed" for r in res[0] for rd in r.rounds)
                 bounds = [batch_bound(figs[i:i + B], adaptive) for i in range(0, len(figs), B)]  # batch 1: each row's own
@@ -338,9 +340,13 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                     fast_steps=sum(r.fast_steps or 0 for r in res[0]),
                     tok_s=res[1]))
     dense1 = statistics.median(dense_tok_s[batches[0]])
+    step1 = _median(settled[batches[0]])
     for B in batches:
         dense_rate = statistics.median(dense_tok_s[B])
         bound = dense_batch_bound(loaded, inputs[:B], args.max_new_tokens, B, dense1) if B > 1 else {}
+        step = _median(settled[B])
+        if step and step1:
+            bound.update(settled_step_ms=step * 1e3, settled_vs_batch1=B * step1 / (batches[0] * step))
         for name in names:
             p = per[B][name]
             row = dict(label, visual_tokens=inputs[0].m_v, batch=B, method=name, rows=len(inputs),
@@ -356,6 +362,20 @@ def batch_rows(args, loaded, names: list, settings: dict, inputs: list, batches:
                 row["bound_share"] = row["speedup"] / row["bound_speedup"]
             rows.append(row)
     return rows
+
+
+SETTLED_AFTER = 10  # steps of a pass before its "settled" steps
+
+
+def settled_step_s(traces: list, skip: int = SETTLED_AFTER) -> float | None:
+    """The median decode step of a pass's traces after each one's first `skip` steps (in a batch,
+    each row's steps are the batch's): what a step costs once its KV is back in the caches. After
+    its prefills (or a second idle), a batch-8 step at 4,608 visual tokens (122 MB) ran 5.7-8 ms for
+    5 to 30+ steps before settling at ~3.3 on a 2-core VM whose 300 MiB L3 the host shares, while a
+    one-row step (21.6 MB) lost one or two steps: the tokens/s of whole passes carry that, this
+    does not. None where no trace has more steps than that."""
+    xs = [s for t in traces for s in t.step_s[skip:]]
+    return statistics.median(xs) if xs else None
 
 
 def step_bytes(loaded, inputs: list, max_new_tokens: int) -> tuple[int, list[int]]:
@@ -413,7 +433,9 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
               f"{r['dense_vs_batch1']:.2f}x measured; bound if only bytes counted {r['bytes_bound']:.2f}x "
               f"(a step reads {r['step_mb']:.1f} MB: weights once, KV {r['batch']} times); "
               f"{r['read_bound']:.2f}x were a batch step only a read of its bytes at this machine's speed "
-              f"({r['read_ms']:.2f} ms, {r['step_mb'] / r['read_ms']:.1f} GB/s) against batch 1 as measured")
+              f"({r['read_ms']:.2f} ms, {r['step_mb'] / r['read_ms']:.1f} GB/s) against batch 1 as measured"
+              + (f"; settled steps (after each pass's first {SETTLED_AFTER}) {r['settled_step_ms']:.2f} ms, "
+                 f"{r['settled_vs_batch1']:.2f}x batch 1's tokens/s" if r.get("settled_vs_batch1") else ""))
     return 0
 
 

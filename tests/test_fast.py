@@ -351,7 +351,7 @@ def test_bench_shape_rounds_decodes_batches_of_a_real_shape_losslessly(capsys):
     from sparsevid import cli
 
     assert cli.main(["bench", "--shape", "qwen2-vl-2b", "--rounds", "--layers", "1", "--seq", "300", "--batch", "1,2",
-                     "--methods", "std", "--k", "64", "--gamma", "3", "--no-adaptive-gamma", "--max-new-tokens", "8",
+                     "--methods", "std", "--k", "64", "--gamma", "3", "--no-adaptive-gamma", "--max-new-tokens", "13",
                      "--ignore-eos", "--repeats", "1", "--compile", "off", "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]
@@ -362,6 +362,8 @@ def test_bench_shape_rounds_decodes_batches_of_a_real_shape_losslessly(capsys):
     # dense's bound at batch 2 against batch 1: the weights read once, the KV twice; and a read of those bytes
     assert "bytes_bound" not in rows[0] and 1 < rows[1]["bytes_bound"] < 2
     assert rows[1]["read_bound"] > 0 and rows[1]["read_ms"] > 0 and rows[1]["step_mb"] > 0
+    # and the steps after each pass's first 10 (12 here): what a step costs once its KV is back in the caches
+    assert rows[1]["settled_step_ms"] > 0 and 0 < rows[1]["settled_vs_batch1"] < 4  # (2 rows: about 2 at most)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
