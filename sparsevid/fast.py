@@ -32,7 +32,7 @@ NaN in.
 and keeps the compiled steps only where a dense step then measures faster than eager; `off` is
 eager. A failed compilation never fails a run: the step falls back to eager and the reason is kept
 in `FastSteps.message`. The compiled code is cached on disk (inductor's cache, under
-`~/.cache/sparsevid/inductor` unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles
+`~/.cache/sparsevid/inductor/<the CPU op's version>` unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles
 faster (set in `sparsevid/__init__.py`); tracing is paid once per process.
 
 Measured on the embedded model (2 CPU threads): a compiled dense step is 47-68 % of the eager one
@@ -86,6 +86,7 @@ class Block:
     width: int = 1
     heads: torch.Tensor | None = None  # in a `Split`: its KV heads [h] (else every head)
     qheads: torch.Tensor | None = None  # in a `Split`: its query heads [h G]
+    prefix: torch.Tensor | None = None  # a stack's dense layer: rows sharing their first entries [B, 2] (`cache.Stack`)
 
 
 @dataclass
@@ -169,7 +170,7 @@ def static_attention(query, kv: StaticKV, scale):
         out = torch.cat([kernels.attend(query.index_select(1, p.qheads), p.k, p.v, s, scale, p.bias)
                          for p, s in zip(b.blocks, kv.start)], 2).index_select(2, b.order)
     else:
-        out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias)
+        out = kernels.attend(query, b.k, b.v, kv.start, scale, b.bias, prefix=b.prefix)
     hs = kv.head_scale
     if hs is not None:
         out = out * (hs.view(1, 1, -1, 1) if hs.dim() == 1 else hs[:, None, :, None])
@@ -229,7 +230,7 @@ def stack_buffers(stack, mode: str, num_layers: int | None = None):
         if mode == "dense" or sparse is None:
             if dense is None:
                 return None
-            layers.append(Block(dense[0], dense[1], None, slot, 1))
+            layers.append(Block(dense[0], dense[1], None, slot, 1, prefix=stack.prefix))
             offsets.append(torch.zeros(B, 1, dtype=torch.long, device=dense[0].device))
             scales.append(None)
         else:
@@ -246,6 +247,8 @@ def stack_buffers(stack, mode: str, num_layers: int | None = None):
             if b.bias is not None:
                 torch._dynamo.mark_dynamic(b.bias, 0)
                 torch._dynamo.mark_dynamic(b.bias, 3)
+            if b.prefix is not None:
+                torch._dynamo.mark_dynamic(b.prefix, 0)
         for sc in scales:
             if sc is not None:
                 torch._dynamo.mark_dynamic(sc, 0)
@@ -260,8 +263,8 @@ def signature(layers: list, scales: list) -> tuple:
     def sig(t):
         return None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
 
-    return (tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width, sig(b.heads), sig(b.qheads)) for layer in layers
-                  for b in blocks_of(layer))
+    return (tuple((sig(b.k), sig(b.v), sig(b.bias), b.slot, b.width, sig(b.heads), sig(b.qheads), sig(b.prefix))
+                  for layer in layers for b in blocks_of(layer))
             + tuple(sig(layer.order) for layer in layers if isinstance(layer, Split)) + tuple(sig(s) for s in scales))
 
 

@@ -139,29 +139,34 @@ def _register_fake() -> None:
         return
 
     @torch.library.register_fake("sparsevid::decode_attention")
-    def _(q, k, v, start, scale, bias, threads=0, min_work=0):
+    def _(q, k, v, start, scale, bias, prefix, threads=0, min_work=0):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
     _register_fake.done = True
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float,
-           bias: torch.Tensor | None = None, which: str | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, which: str | None = None,
+           prefix: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, H, q, D] over k, v [B, Hkv, N, D] -> [B, q, H, D].
 
     start: LongTensor broadcastable to [B, Hkv]: where this step's q rows were written, per sequence
     and KV head (row t of head h sees entries 0 .. start[b, h] + t: a compact cache's heads keep
     different numbers of entries); bias: optional additive [Hkv, G, N] shared by the batch, or
-    [B, Hkv, G, N] per sequence (-inf: query head g of KV head h may not read that entry). H = Hkv * G."""
+    [B, Hkv, G, N] per sequence (-inf: query head g of KV head h may not read that entry). H = Hkv * G.
+    prefix: optional LongTensor [B, 2]: sequence b's first prefix[b, 1] entries are bit-identical to
+    sequence prefix[b, 0]'s (questions on one video, `cache.Stack.prefix`), so the `cpu` op may read
+    those instead (each shared split once in cache for all the sequences); the others read b's own,
+    the same values."""
     which = which or backend(query.device)
     if which == "triton":
         return attend_triton(query, k, v, start, scale, bias)
     if which == "cpu" and query.device.type == "cpu" and query.dtype == torch.float32 and cpu_available():
-        return attend_cpu(query, k, v, start, scale, bias)
+        return attend_cpu(query, k, v, start, scale, bias, prefix)
     return attend_sdpa(query, k, v, start, scale, bias)
 
 
-def attend_cpu(query, k, v, start, scale, bias=None):
+def attend_cpu(query, k, v, start, scale, bias=None, prefix=None):
     """`attend` through the C++ CPU op (see the module docstring), on the threads `op_threads` gives
     it: the same in an eager step and in a compiled one (the op splits the keys itself)."""
     B, H, q, D = query.shape
@@ -169,7 +174,7 @@ def attend_cpu(query, k, v, start, scale, bias=None):
     start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     if bias is not None:
         bias = bias[None] if bias.dim() == 3 else bias
-    return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, *op_threads())
+    return torch.ops.sparsevid.decode_attention(query, k, v, start, scale, bias, prefix, *op_threads())
 
 
 # CPU: the thread count of the process while a decode step runs on fewer (`engine.step_threads`), or
@@ -231,7 +236,7 @@ def measure_graph_work(reps: int = 15) -> int:
                     for _ in range(reps + 1):
                         for t in times:
                             t0 = time.perf_counter()
-                            op(query, k, v, start, 0.2, None, t, 0)
+                            op(query, k, v, start, 0.2, None, None, t, 0)
                             times[t].append(time.perf_counter() - t0)
                 one, many = (statistics.median(times[t][1:]) for t in times)
                 work = Hkv * n * (G * q + 3)

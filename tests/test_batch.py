@@ -346,3 +346,49 @@ def test_questions_on_one_video_share_its_pixels_and_vision_tower(tiny_loaded, a
              for q in questions]
     assert len(calls) == 4
     assert [t.token_ids for t in together] == [t.token_ids for t in alone]
+
+
+def test_questions_on_one_video_read_its_shared_prefix_once(tiny_loaded, monkeypatch):
+    """Rows of questions on one video hold bit-identical KV over their common prefix: the stack
+    finds it (the first row of the group is read for the others, `cache.Stack.prefix`), the CPU op
+    reads one copy, and every row keeps the tokens of its own one-row run, dense and StD (whose
+    verifications read the dense layers). Rows of different videos share nothing; a prompt that
+    joins in a row the others read from stops them reading it."""
+    if not kernels.cpu_available():
+        pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
+    loaded = tiny_loaded("qwen2_vl")
+    frames, questions = clip(64, 5), ["what colour is the object ?", "how many ?", "where does it go ?"]
+    batch = loaded.adapter.build_questions(frames, questions)
+    prefixes = []
+    real = cache_mod.Stack.__init__
+
+    def spy(self, caches, *a, **k):
+        real(self, caches, *a, **k)
+        prefixes.append(self.prefix.tolist())
+
+    monkeypatch.setattr(cache_mod.Stack, "__init__", spy)
+    common = next(i for i, (a, b) in enumerate(zip(*(x.model_kwargs["input_ids"][0] for x in batch[:2]))) if a != b)
+    assert common > cache_mod.SHARED_MIN  # past the op's first split of 512 keys: one is read from row 0
+    for name in ("dense", "std"):
+        prefixes.clear()
+        together = runs.run_rows(loaded, batch, name, LOSSLESS.get(name), max_new_tokens=8)
+        alone = [runs.run_method(loaded, x, name, LOSSLESS.get(name), max_new_tokens=8) for x in batch]
+        assert [t.token_ids for t in together] == [t.token_ids for t in alone], name
+        assert prefixes[0][0] == [0, 0] and all(r[0] == 0 and r[1] >= common for r in prefixes[0][1:]), prefixes
+    prefixes.clear()
+    others = [loaded.adapter.build_inputs(clip(64, seed), questions[0]) for seed in (6, 7)]
+    runs.run_rows(loaded, others, "dense", max_new_tokens=4)
+    assert prefixes[0] == [[0, 0], [1, 0]]
+    # two at a time: another video's question joins in row 0 (where row 1 read its prefix) as row 0 ends
+    first = runs.run_method(loaded, batch[0], "dense", max_new_tokens=12).token_ids
+    monkeypatch.setattr(type(loaded.adapter), "eos_token_ids", property(lambda self: [first[3]]))
+    prompts = [batch[0], batch[1], others[0]]
+    alone = [runs.run_method(loaded, x, "dense", max_new_tokens=12).token_ids for x in prompts]
+    assert len(alone[0]) == 4 < len(alone[1])
+    placed, real_replace = [], cache_mod.Stack.replace
+    monkeypatch.setattr(cache_mod.Stack, "replace", lambda self, b, c: placed.append((b, real_replace(self, b, c)))
+                        or placed[-1][1])
+    prefixes.clear()
+    flowing = runs.run_rows(loaded, prompts, "dense", max_new_tokens=12, width=2)
+    assert prefixes[0] == [[0, 0], [0, prefixes[0][1][1]]] and (0, True) in placed, (prefixes, placed)
+    assert [t.token_ids for t in flowing] == alone

@@ -223,7 +223,7 @@ def test_a_long_call_in_a_compiled_one_thread_step_runs_the_cpu_op_on_two_thread
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append([tuple(n.args[6:]) for n in gm.graph.nodes
+        graphs.append([tuple(n.args[7:9]) for n in gm.graph.nodes
                        if n.op == "call_function" and "decode_attention" in str(n.target)])
         return gm.forward
 
@@ -237,8 +237,8 @@ def test_a_long_call_in_a_compiled_one_thread_step_runs_the_cpu_op_on_two_thread
         torch._dynamo.reset()
     assert graphs == [[(2, 100_000)]]  # one graph for both
     op, start = torch.ops.sparsevid.decode_attention, start.expand(2, 4).contiguous()
-    assert torch.equal(long, op(q, k, v, start, 0.2, None)) and torch.equal(short, op(q2, k, v, start, 0.2, None))
-    assert torch.equal(op(q, k, v, start, 0.2, None, 2, 0), op(q, k, v, start, 0.2, None, 0, 0))
+    assert torch.equal(long, op(q, k, v, start, 0.2, None, None)) and torch.equal(short, op(q2, k, v, start, 0.2, None, None))
+    assert torch.equal(op(q, k, v, start, 0.2, None, None, 2, 0), op(q, k, v, start, 0.2, None, None, 0, 0))
 
 
 def test_the_two_thread_threshold_is_measured_once_per_machine_where_it_costs_least(monkeypatch, tmp_path):
@@ -276,14 +276,43 @@ def test_the_cpu_kernel_splits_heads_of_different_lengths_between_threads_with_t
         (q, k, v), start, _ = inputs(1, 4, 2, 3, 24, 2500, [lens], "cpu", seed=len(lens) + lens[-1])
         try:
             torch.set_num_threads(1)
-            one = op(q, k, v, start, 0.2, None, 0, 0)
-            own = op(q, k, v, start, 0.2, None, 2, 0)  # the op's own two threads (a compiled one-thread step)
+            one = op(q, k, v, start, 0.2, None, None, 0, 0)
+            own = op(q, k, v, start, 0.2, None, None, 2, 0)  # the op's own two threads (a compiled one-thread step)
             torch.set_num_threads(2)
-            aten = op(q, k, v, start, 0.2, None, 0, 0)
+            aten = op(q, k, v, start, 0.2, None, None, 0, 0)
         finally:
             torch.set_num_threads(before)
         assert torch.equal(one, own) and torch.equal(one, aten), lens
         torch.testing.assert_close(one.double(), kernels.reference(q, k, v, start, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_sequences_sharing_their_first_entries_read_one_copy_with_the_same_bits():
+    """Questions on one video: their KV over the common prefix is bit-identical, and the op told so
+    (`prefix` [B, 2]: the sequence to read, for how many first entries) reads that sequence's K and V
+    for every split lying wholly below it, in cache for all of them: the same bits as each reading
+    its own. A split that reaches past the shared entries reads the sequence's own."""
+    if not kernels.cpu_available():
+        pytest.skip(f"the CPU op is not built here: {kernels.describe(torch.device('cpu'))}")
+    op = torch.ops.sparsevid.decode_attention
+    torch.manual_seed(0)
+    q = torch.randn(3, 8, 2, 24)
+    k, v = torch.randn(3, 4, 1300, 24), torch.randn(3, 4, 1300, 24)
+    k[1:, :, :1100], v[1:, :, :1100] = k[:1, :, :1100], v[:1, :, :1100]  # rows 1 and 2 share row 0's first 1,100
+    start = torch.tensor([[1290] * 4, [1250] * 4, [1100] * 4])
+    shared = torch.tensor([[0, 0], [0, 1100], [0, 1100]])
+    own = op(q, k, v, start, 0.2, None, None, 0, 0)
+    for threads in (0, 2):
+        assert torch.equal(op(q, k, v, start, 0.2, None, shared, threads, 0), own)
+    torch.testing.assert_close(own.double(), kernels.reference(q, k, v, start, 0.2), atol=1e-5, rtol=1e-5)
+    # it does read row 0 there: told so where row 1 differs, row 1 gets row 0's first two splits (1,024 keys)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, :1100] += 1.0
+    told = op(q, k2, v2, start, 0.2, None, shared, 0, 0)
+    mixed_k, mixed_v = k2.clone(), v2.clone()
+    mixed_k[1, :, :1024], mixed_v[1, :, :1024] = k[0, :, :1024], v[0, :, :1024]
+    assert torch.equal(told, op(q, mixed_k, mixed_v, start, 0.2, None, None, 0, 0))
+    assert not torch.equal(told[1], op(q, k2, v2, start, 0.2, None, None, 0, 0)[1])
+    assert torch.equal(kernels.attend(q, k, v, start, 0.2, which="cpu", prefix=shared), kernels.attend(q, k, v, start, 0.2, which="cpu"))
 
 
 def test_an_eager_one_thread_step_gives_the_cpu_op_the_threads_a_compiled_one_does(monkeypatch):
@@ -298,7 +327,7 @@ def test_an_eager_one_thread_step_gives_the_cpu_op_the_threads_a_compiled_one_do
 
     class Op:  # records the thread arguments of each call and runs the real op
         def __call__(self, *args):
-            calls.append(args[6:])
+            calls.append(args[7:9])
             return real(*args)
 
     monkeypatch.setattr(torch.ops.sparsevid, "decode_attention", Op(), raising=False)

@@ -20,6 +20,12 @@
 // take 16-lane vectors, several rows per V row loaded: per row the same operations in the same order
 // as a step's code, so the same bits (a test).
 //
+// Sequences that share their first entries (questions on one video: bit-identical KV over the common
+// prefix, `cache.Stack` checks it) can say so (`prefix` [B, 2]: the sequence whose K and V to read
+// for them, how many): an item whose keys all lie below that reads the other sequence's K and V (the
+// same values, so the same bits). Items run in the order (KV head, split, sequence), so the sequences
+// reading one split of a head's shared keys run one after another and find them in cache.
+//
 // Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`), or
 // on `threads` OpenMP threads where the caller asks for more than that and the call's work, B x Hkv x
 // (entries read) x (rows per KV head + 3), is at least `min_work`: a compiled decode step runs on one
@@ -84,6 +90,7 @@ inline float exp_neg(float x) {
 struct Args {
   const float *q, *k, *v, *bias;
   const int64_t* start;  // [B, Hkv], contiguous
+  const int64_t* prefix;  // [B, 2], contiguous, or null: (sequence whose K and V to read, for how many first entries)
   int64_t B, H, Q, D, Hkv, G, N;
   int64_t qs[3];      // q strides (b, h, t); last stride 1
   int64_t ks[3], vs[3];  // k, v strides (b, h, n)
@@ -364,12 +371,13 @@ inline void accumulate_avx2(float* o, const float* alpha, const float* p, const 
 }
 #endif
 
-// One item: rows r = g * Q + t of KV head h of sequence b over keys [lo, hi); m, l [R], acc [R, D].
+// One item: rows r = g * Q + t of KV head h of sequence b over keys [lo, hi) of sequence kvb's K and V
+// (b's own, or one sharing them: `Args::prefix`); m, l [R], acc [R, D].
 // DC: the head dim as a constant (0: any, up to DMAX), so that the loops over it unroll and a row's
 // output stays in registers.
 
 template <int64_t DC>
-void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* acc,
+void item(const Args& a, int64_t b, int64_t kvb, int64_t h, int64_t lo, int64_t hi, float* m, float* l, float* acc,
           float* qrow, float* kt, float* p, float* al, int64_t* sn) {
   constexpr int64_t DL = DC > 0 ? DC : DMAX;
   const int64_t D = DC > 0 ? DC : a.D, R = a.G * a.Q;
@@ -383,8 +391,8 @@ void item(const Args& a, int64_t b, int64_t h, int64_t lo, int64_t hi, float* m,
     l[r] = 0.0f;
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
   }
-  const float* kb = a.k + b * a.ks[0] + h * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  const float* kb = a.k + kvb * a.ks[0] + h * a.ks[1];
+  const float* vb = a.v + kvb * a.vs[0] + h * a.vs[1];
   const bool avx = SPARSEVID_AVX2 && D % 8 == 0;
   const bool shared = SPARSEVID_AVX512 && avx && R >= 8;  // many rows: score over one transposed tile
   for (int64_t j0 = lo; j0 < hi; j0 += TILE) {
@@ -557,13 +565,18 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
   std::vector<float> m(items * R), l(items * R), acc(items * R * D);
   // item i: split i % splits of (sequence, KV head) i / splits, its keys [lo, hi) (empty past what its rows see)
   const auto end = [&](int64_t i) { return std::min({(i % splits + 1) * SPLIT, a.N, a.start[i / splits] + a.Q}); };
-  std::vector<int64_t> work(items);  // entries each item reads
-  for (int64_t i = 0; i < items; ++i) work[i] = std::max<int64_t>(0, end(i) - (i % splits) * SPLIT);
-  parallel(work, threads, [&](int64_t i0, int64_t i1) {
+  // the item at place x of the order (KV head, split, sequence)
+  const auto at = [&](int64_t x) {
+    const int64_t b = x % a.B, hs = x / a.B;
+    return (b * a.Hkv + hs / splits) * splits + hs % splits;
+  };
+  std::vector<int64_t> work(items);  // entries each item reads, in that order
+  for (int64_t x = 0; x < items; ++x) work[x] = std::max<int64_t>(0, end(at(x)) - (at(x) % splits) * SPLIT);
+  parallel(work, threads, [&](int64_t x0, int64_t x1) {
     std::vector<float> qrow(R * D), kt(D * TILE), p(R * TILE), al(R);
     std::vector<int64_t> sn(R);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bh = i / splits, b = bh / a.Hkv, h = bh % a.Hkv, lo = (i % splits) * SPLIT, hi = end(i);
+    for (int64_t x = x0; x < x1; ++x) {
+      const int64_t i = at(x), bh = i / splits, b = bh / a.Hkv, h = bh % a.Hkv, lo = (i % splits) * SPLIT, hi = end(i);
       if (lo >= hi) {
         for (int64_t r = 0; r < R; ++r) {
           m[i * R + r] = -std::numeric_limits<float>::infinity();
@@ -571,7 +584,9 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
         }
         continue;
       }
-      item<DC>(a, b, h, lo, hi, &m[i * R], &l[i * R], &acc[i * R * D], qrow.data(), kt.data(), p.data(), al.data(), sn.data());
+      const int64_t kvb = a.prefix != nullptr && hi <= a.prefix[2 * b + 1] ? a.prefix[2 * b] : b;
+      item<DC>(a, b, kvb, h, lo, hi, &m[i * R], &l[i * R], &acc[i * R * D], qrow.data(), kt.data(), p.data(), al.data(),
+               sn.data());
     }
   });
   // combine the splits of each row, in order: out [B, Q, H, D]. A decode step's combine is a few
@@ -604,8 +619,8 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
-                            double scale, const std::optional<at::Tensor>& bias, int64_t threads,
-                            int64_t min_work) {
+                            double scale, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& prefix, int64_t threads, int64_t min_work) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
@@ -635,6 +650,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     a.bias = bt.data_ptr<float>();
     for (int i = 0; i < 4; ++i) a.bs[i] = bt.size(0) == 1 && i == 0 ? 0 : bt.stride(i);
   }
+  a.prefix = nullptr;
+  if (prefix.has_value() && prefix->defined()) {
+    const at::Tensor& pt = *prefix;
+    TORCH_CHECK(pt.scalar_type() == at::kLong && pt.is_contiguous() && pt.dim() == 2 && pt.size(0) == a.B && pt.size(1) == 2,
+                "decode_attention: prefix [B, 2] int64");
+    a.prefix = pt.data_ptr<int64_t>();
+    for (int64_t b = 0; b < a.B; ++b)
+      TORCH_CHECK((a.prefix[2 * b] >= 0 && a.prefix[2 * b] < k.size(0)) || a.prefix[2 * b + 1] == 0,
+                  "decode_attention: prefix names a sequence k and v do not have");
+  }
   a.scale = static_cast<float>(scale);
   at::Tensor out = at::empty({a.B, a.Q, a.H, a.D}, q.options());
   float* o = out.data_ptr<float>();
@@ -650,7 +675,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(sparsevid, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias, int threads=0, int min_work=0) -> Tensor");
+  // `prefix` comes before the defaulted ints, without a default of its own: as a trailing `Tensor? prefix=None`,
+  // compiled steps that inductor (C++ wrapper) loaded from its disk cache crashed the process in the op's call.
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor start, float scale, Tensor? bias, Tensor? prefix, "
+        "int threads=0, int min_work=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sparsevid, CPU, m) { m.impl("decode_attention", &decode_attention); }
