@@ -28,10 +28,10 @@
 //
 // Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`), or
 // on `threads` OpenMP threads where the caller asks for more than that and the call's work, B x Hkv x
-// (entries read) x (rows per KV head + 3), is at least `min_work`: a compiled decode step runs on one
-// thread (waking the other between its small kernels costs more than they gain), but a verification's
-// attention is compute-bound and pays for a second thread (`kernels.graph_threads`). Decided here,
-// from the call's sizes, so a compiled graph holds two constants and no guard on its dynamic shapes.
+// (entries read) x (rows per KV head + 3), is at least `min_work`: a decode step runs on one thread
+// (waking the other between its small kernels costs more than they gain), but a long call pays for a
+// second one (`kernels.op_threads`, the same in an eager step and a compiled one). Decided here, from
+// the call's sizes, so a compiled graph holds two constants and no guard on its dynamic shapes.
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <ATen/core/Tensor.h>
