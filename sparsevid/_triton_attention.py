@@ -1,7 +1,9 @@
 """The Triton kernels of `kernels.attend_triton` (imported only where Triton is installed).
 
 `split_kv`: program (b * Hkv + h, s) reads keys [s * per, min((s + 1) * per, start_bh + q)) of KV
-head h of sequence b once, for the G * q rows of its query heads (row r = g * q + t: query head
+head h of sequence b (or of the sequence whose first entries b shares, where the split lies wholly
+within them: `Prefix`, `kernels.attend`'s prefix; the programs of one split run side by side, so the
+shared keys are read from memory about once) once, for the G * q rows of its query heads (row r = g * q + t: query head
 h * G + g, new token t); online softmax in float32; writes the split's normalised output
 o_part [B, Hkv, S, BLOCK_M, D] and its log-sum-exp l_part [B, Hkv, S, BLOCK_M] (-inf: nothing seen).
 `combine`: program (b * Hkv + h, r) weighs the splits by their log-sum-exp and writes out [B, q, H, D].
@@ -12,11 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def split_kv(Q, K, V, Start, Bias, O_part, L_part,
+def split_kv(Q, K, V, Start, Bias, Prefix, O_part, L_part,
              sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_b, sb_h, sb_g, sb_n,
              scale, Hkv, q_len, per, D,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+             HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)  # offsets past 2^31 elements (a batch of long buffers) stay exact
@@ -25,6 +27,9 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
     end = start + q_len  # entries 0 .. end - 1 exist for some row
     lo = s * per
     hi = tl.minimum(lo + per, end)
+    kvb = b  # the sequence whose K and V this split reads
+    if HAS_PREFIX:  # Prefix [B, 2]: (sequence whose first entries b shares, how many)
+        kvb = tl.where(hi <= tl.load(Prefix + 2 * b + 1), tl.load(Prefix + 2 * b), b).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     g = rows // q_len
     t = rows % q_len
@@ -40,7 +45,7 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
-        kt = tl.load(K + b * sk_b + h * sk_h + cols[None, :] * sk_n + d[:, None] * sk_d,
+        kt = tl.load(K + kvb * sk_b + h * sk_h + cols[None, :] * sk_n + d[:, None] * sk_d,
                      mask=c_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         if IEEE:
             sc = tl.dot(qv, kt, input_precision="ieee")
@@ -56,7 +61,7 @@ def split_kv(Q, K, V, Start, Bias, O_part, L_part,
         p = tl.exp(sc - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(V + b * sv_b + h * sv_h + cols[:, None] * sv_n + d[None, :] * sv_d,
+        vv = tl.load(V + kvb * sv_b + h * sv_h + cols[:, None] * sv_n + d[None, :] * sv_d,
                      mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, vv, input_precision="ieee")

@@ -578,7 +578,7 @@ class StackRows:
 SHARED_MIN = 512  # shortest common prefix worth checking (the CPU op's keys per item: `SPLIT`)
 
 
-def shared_prefixes(caches: list, dense: list) -> torch.Tensor:
+def shared_prefixes(caches: list, dense: list) -> list[list[int]]:
     """`Stack.prefix` of these rows over their stacked dense K and V (`dense`: per layer (k, v) or None)."""
     B = len(caches)
     out = [[b, 0] for b in range(B)]
@@ -601,7 +601,7 @@ def shared_prefixes(caches: list, dense: list) -> torch.Tensor:
             if all(torch.equal(k[a, :, :m], k[b, :, :m]) and torch.equal(v[a, :, :m], v[b, :, :m]) for k, v in layers):
                 out[b] = [a, m]
                 break
-    return torch.tensor(out, dtype=torch.long, device=layers[0][0].device if layers else None)
+    return out
 
 
 class Stack:
@@ -658,7 +658,9 @@ class Stack:
                 self.dense.append(None)
         for b, c in enumerate(caches):
             self._put(b, c)
-        self.prefix = shared_prefixes(caches, self.dense)
+        device = next(t[0].device for t in self.dense + self.sparse if t is not None)
+        self.prefix = self.buffers.like(("stack", "prefix"), torch.tensor(shared_prefixes(caches, self.dense),
+                                                                          dtype=torch.long, device=device))
         adopted.release()  # the reserved buffers not taken (their rows are copied now)
         for c in caches:  # stacked by copying: the reserved rows are no longer read
             if c.reserved is not None:

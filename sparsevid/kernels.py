@@ -155,12 +155,12 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.T
     different numbers of entries); bias: optional additive [Hkv, G, N] shared by the batch, or
     [B, Hkv, G, N] per sequence (-inf: query head g of KV head h may not read that entry). H = Hkv * G.
     prefix: optional LongTensor [B, 2]: sequence b's first prefix[b, 1] entries are bit-identical to
-    sequence prefix[b, 0]'s (questions on one video, `cache.Stack.prefix`), so the `cpu` op may read
-    those instead (each shared split once in cache for all the sequences); the others read b's own,
-    the same values."""
+    sequence prefix[b, 0]'s (questions on one video, `cache.Stack.prefix`), so the `cpu` op and the
+    `triton` kernel read those instead (each shared split about once for all the sequences); SDPA
+    reads b's own, the same values."""
     which = which or backend(query.device)
     if which == "triton":
-        return attend_triton(query, k, v, start, scale, bias)
+        return attend_triton(query, k, v, start, scale, bias, prefix=prefix)
     if which == "cpu" and query.device.type == "cpu" and query.dtype == torch.float32 and cpu_available():
         return attend_cpu(query, k, v, start, scale, bias, prefix)
     return attend_sdpa(query, k, v, start, scale, bias)
@@ -345,7 +345,7 @@ def splits_for(capacity: int, rows: int, device: torch.device, unit: int) -> tup
 
 
 def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_warps: int | None = None,
-                  num_stages: int | None = None):
+                  num_stages: int | None = None, prefix=None):
     """`attend` through the split-KV Triton kernel (see the module docstring); the tile size, warps
     and stages are tunable (`bench --verify-kernels` times variants on CUDA). Defaults as measured
     on one H200 (7B heads, bf16, batch 8, 16k-64k entries): 64-key tiles; one row block of up to
@@ -369,10 +369,10 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
     bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
     bs = ((0,) + bias.stride() if bias.dim() == 3 else bias.stride()) if bias is not None else (0, 0, 0, 0)
     split_kv[(B * Hkv, splits)](
-        query, k, v, start, bias_t, o_part, l_part,
+        query, k, v, start, bias_t, prefix if prefix is not None else start, o_part, l_part,
         *query.stride(), *k.stride(), *v.stride(), *bs,
         scale, Hkv, q, per, D,
-        G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_BIAS=bias is not None,
+        G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_BIAS=bias is not None, HAS_PREFIX=prefix is not None,
         IEEE=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, q, H, D, dtype=query.dtype, device=query.device)
     combine[(B * Hkv, G * q)](o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(),

@@ -315,6 +315,28 @@ def test_sequences_sharing_their_first_entries_read_one_copy_with_the_same_bits(
     assert torch.equal(kernels.attend(q, k, v, start, 0.2, which="cpu", prefix=shared), kernels.attend(q, k, v, start, 0.2, which="cpu"))
 
 
+@pytest.mark.parametrize("which", [w for w in backends("cpu") if w != "sdpa"])
+def test_each_kernel_reads_a_shared_prefix_from_the_sequence_it_is_told(which):
+    """`attend(..., prefix=...)` through each kernel that reads shared prefixes (the CPU op; Triton,
+    here in its interpreter): the same output where the prefixes are the same values, and where told
+    so of a sequence whose first entries differ, the other sequence's keys for every split wholly
+    below the shared length (so it does read them there)."""
+    torch.manual_seed(1)
+    q = torch.randn(3, 4, 1, 16)
+    k, v = torch.randn(3, 2, 1300, 16), torch.randn(3, 2, 1300, 16)
+    k[1:, :, :1100], v[1:, :, :1100] = k[:1, :, :1100], v[:1, :, :1100]
+    start = torch.tensor([[1290] * 2, [1250] * 2, [1100] * 2])
+    shared = torch.tensor([[0, 0], [0, 1100], [0, 1100]])
+    own = kernels.attend(q, k, v, start, 0.25, which=which)
+    torch.testing.assert_close(own.double(), kernels.reference(q, k, v, start, 0.25), atol=1e-5, rtol=1e-5)
+    assert torch.equal(kernels.attend(q, k, v, start, 0.25, which=which, prefix=shared), own)
+    k2 = k.clone()
+    k2[1, :, :1100] += 1.0  # row 1 differs, but the kernel is told it shares row 0's first 1,100
+    told = kernels.attend(q, k2, v, start, 0.25, which=which, prefix=shared)
+    assert not torch.equal(told[1], kernels.attend(q, k2, v, start, 0.25, which=which)[1])
+    assert torch.equal(told[0], own[0]) and torch.equal(told[2], own[2])
+
+
 def test_an_eager_one_thread_step_gives_the_cpu_op_the_threads_a_compiled_one_does(monkeypatch):
     """`op_threads`: inside a step on fewer threads the op gets (WIDE_THREADS, WIDE_GRAPH_WORK),
     eager or compiled alike, so the eager steps `runs.choose_step_threads` times spend their
