@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import kernels
+from .cache import SHARED_MIN, common_prefix
 from .engine import HopelessShapes, Sampling, step_threads, sync as sync_device
 from .errors import InputError
 from .fast import enable, state
@@ -402,10 +403,28 @@ def dense_batch_bound(loaded, inputs: list, max_new_tokens: int, B: int, dense1_
     bytes (timed now, `read_seconds`) against batch 1's measured tokens/s. Where one row's bytes
     fit in a cache and B rows' do not, the second is the lower."""
     weights, kv = step_bytes(loaded, inputs, max_new_tokens)
-    total = weights + sum(kv)
+    shared = shared_bytes(loaded, inputs)
+    total = weights + sum(kv) - shared
     read_s = read_seconds(total, loaded.device)
-    return dict(step_mb=total / 1e6, read_ms=read_s * 1e3,
+    return dict(step_mb=total / 1e6, read_ms=read_s * 1e3, shared_mb=shared / 1e6,
                 bytes_bound=B * (weights + statistics.median(kv)) / total, read_bound=B / read_s / dense1_tok_s)
+
+
+def shared_bytes(loaded, inputs: list) -> int:
+    """KV bytes a step of these rows reads once instead of once per row: questions on one video
+    (`Adapter.build_questions`) share their common prefix (`cache.Stack.prefix`, where the attention
+    kernel reads it: the CPU op, Triton), each row after the first of its video reading it from that
+    one; 0 where the kernel reads every row's own (SDPA)."""
+    if kernels.backend(loaded.device) == "sdpa":
+        return 0
+    entry = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * torch.finfo(loaded.dtype).bits // 8
+    total = 0
+    for i, x in enumerate(inputs):
+        first = next((y for y in inputs[:i] if y.vision is x.vision), None)  # its video's first row
+        if first is not None:
+            m = common_prefix(x.model_kwargs["input_ids"][0], first.model_kwargs["input_ids"][0])
+            total += m * entry if m >= SHARED_MIN else 0
+    return total
 
 
 def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) -> int:
@@ -431,7 +450,9 @@ def print_batch_rows(args, loaded, settings: dict, rows: list[dict], **extra) ->
     for r in {r["batch"]: r for r in rows if r.get("bytes_bound")}.values():  # one line per batch size
         print(f"dense at batch {r['batch']} vs batch 1 ({r.get('visual_tokens')} visual tokens): "
               f"{r['dense_vs_batch1']:.2f}x measured; bound if only bytes counted {r['bytes_bound']:.2f}x "
-              f"(a step reads {r['step_mb']:.1f} MB: weights once, KV {r['batch']} times); "
+              f"(a step reads {r['step_mb']:.1f} MB: weights once, KV {r['batch']} times"
+              + (f", less {r['shared_mb']:.1f} MB of prefixes shared by questions on one video" if r.get("shared_mb") else "")
+              + "); "
               f"{r['read_bound']:.2f}x were a batch step only a read of its bytes at this machine's speed "
               f"({r['read_ms']:.2f} ms, {r['step_mb'] / r['read_ms']:.1f} GB/s) against batch 1 as measured"
               + (f"; settled steps (after each pass's first {SETTLED_AFTER}) {r['settled_step_ms']:.2f} ms, "

@@ -578,6 +578,13 @@ class StackRows:
 SHARED_MIN = 512  # shortest common prefix worth checking (the CPU op's keys per item: `SPLIT`)
 
 
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many first token ids [m] two prompts have in common."""
+    n = min(len(a), len(b))
+    differ = torch.nonzero(a[:n].cpu() != b[:n].cpu())
+    return int(differ[0, 0]) if len(differ) else n
+
+
 def shared_prefixes(caches: list, dense: list) -> list[list[int]]:
     """`Stack.prefix` of these rows over their stacked dense K and V (`dense`: per layer (k, v) or None)."""
     B = len(caches)
@@ -588,9 +595,7 @@ def shared_prefixes(caches: list, dense: list) -> list[list[int]]:
             ia, ib = caches[a].prompt_ids, caches[b].prompt_ids
             if out[a][1] or ia is None or ib is None or not layers:
                 continue  # only a group's first row is read for others
-            n = min(len(ia), len(ib), caches[a].prompt_len, caches[b].prompt_len)
-            differ = torch.nonzero(ia[:n].cpu() != ib[:n].cpu())
-            m = int(differ[0, 0]) if len(differ) else n
+            m = min(common_prefix(ia, ib), caches[a].prompt_len, caches[b].prompt_len)
             if m < SHARED_MIN:
                 continue
             # two videos of one length have the same token ids (placeholders): one entry of the first
