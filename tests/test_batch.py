@@ -392,3 +392,23 @@ def test_questions_on_one_video_read_its_shared_prefix_once(tiny_loaded, monkeyp
     flowing = runs.run_rows(loaded, prompts, "dense", max_new_tokens=12, width=2)
     assert prefixes[0] == [[0, 0], [0, prefixes[0][1][1]]] and (0, True) in placed, (prefixes, placed)
     assert [t.token_ids for t in flowing] == alone
+
+
+def test_the_bytes_bound_counts_a_shared_prefix_once(tiny_loaded, monkeypatch):
+    """`bench --batch`'s bytes-only bound: questions on one video read their common prefix once where
+    the kernel reads it so (the CPU op, Triton); SDPA reads every row's own; different videos share
+    nothing."""
+    from sparsevid import bench
+
+    loaded = tiny_loaded("qwen2_vl")
+    questions = ["what colour is the object ?", "how many ?", "where does it go ?"]
+    batch = loaded.adapter.build_questions(clip(64, 5), questions)
+    entry = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * 4
+    common = cache_mod.common_prefix(batch[0].model_kwargs["input_ids"][0], batch[1].model_kwargs["input_ids"][0])
+    assert common >= cache_mod.SHARED_MIN
+    monkeypatch.setattr(kernels, "FORCED", "cpu")
+    assert bench.shared_bytes(loaded, batch) == 2 * common * entry  # rows 1 and 2 read row 0's
+    others = [loaded.adapter.build_inputs(clip(64, seed), questions[0]) for seed in (6, 7)]
+    assert bench.shared_bytes(loaded, others) == 0
+    monkeypatch.setattr(kernels, "FORCED", "sdpa")
+    assert bench.shared_bytes(loaded, batch) == 0
