@@ -379,14 +379,18 @@ def settled_step_s(traces: list, skip: int = SETTLED_AFTER) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def kv_entry_bytes(loaded) -> int:
+    """Bytes of KV one token holds (K and V, every layer and KV head)."""
+    return 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * torch.finfo(loaded.dtype).bits // 8
+
+
 def step_bytes(loaded, inputs: list, max_new_tokens: int) -> tuple[int, list[int]]:
     """Bytes a dense decode step of these rows reads at mid-answer: (the language model's weights,
     read once: its layers, final norm and LM head, one embedding row being nothing; each row's KV)."""
     lm = getattr(loaded.model.model, "language_model", loaded.model.model)
     params = {id(p): p for mod in (lm.layers, lm.norm, loaded.model.lm_head) for p in mod.parameters()}
     weights = sum(p.numel() * p.element_size() for p in params.values())
-    entry = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * torch.finfo(loaded.dtype).bits // 8
-    return weights, [(x.m + max_new_tokens // 2) * entry for x in inputs]
+    return weights, [(x.m + max_new_tokens // 2) * kv_entry_bytes(loaded) for x in inputs]
 
 
 def read_seconds(nbytes: int, dev: torch.device, most: int = 1 << 30) -> float:
@@ -417,13 +421,12 @@ def shared_bytes(loaded, inputs: list) -> int:
     one; 0 where the kernel reads every row's own (SDPA)."""
     if kernels.backend(loaded.device) == "sdpa":
         return 0
-    entry = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * torch.finfo(loaded.dtype).bits // 8
     total = 0
     for i, x in enumerate(inputs):
         first = next((y for y in inputs[:i] if y.vision is x.vision), None)  # its video's first row
         if first is not None:
             m = common_prefix(x.model_kwargs["input_ids"][0], first.model_kwargs["input_ids"][0])
-            total += m * entry if m >= SHARED_MIN else 0
+            total += m * kv_entry_bytes(loaded) if m >= SHARED_MIN else 0
     return total
 
 

@@ -581,7 +581,7 @@ SHARED_MIN = 512  # shortest common prefix worth checking (the CPU op's keys per
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many first token ids [m] two prompts have in common."""
     n = min(len(a), len(b))
-    differ = torch.nonzero(a[:n].cpu() != b[:n].cpu())
+    differ = torch.nonzero(a[:n].cpu() != b[:n].cpu())  # (a CPU tensor's .cpu() is itself)
     return int(differ[0, 0]) if len(differ) else n
 
 

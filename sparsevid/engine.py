@@ -217,7 +217,7 @@ def prefill(loaded: Loaded, inputs: VideoInputs, run: Run) -> torch.Tensor:
         run.prune = None  # pruning is for this prefill only (decode steps are never pruned)
     run.position_offset = next_position - inputs.m
     run.cache.finish_prefill(inputs.m)
-    run.cache.prompt_ids = inputs.model_kwargs["input_ids"][0]
+    run.cache.prompt_ids = inputs.model_kwargs["input_ids"][0].cpu()  # (compared between rows: `cache.Stack`)
     return out.logits[0, -1]
 
 

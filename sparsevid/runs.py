@@ -135,6 +135,9 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     if loaded.step_threads is not None:
         return loaded.threads_note
     n = torch.get_num_threads()
+    if n > 1 and kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32 \
+            and kernels.WIDE_GRAPH_WORK is None:  # once per machine, in the warm-up, never in a timed run
+        kernels.WIDE_GRAPH_WORK = kernels.measure_graph_work()
     if os.environ.get("SPARSEVID_STEP_THREADS"):
         loaded.step_threads = max(1, int(os.environ["SPARSEVID_STEP_THREADS"]))
         loaded.threads_note = f"steps on {loaded.step_threads} thread(s) (SPARSEVID_STEP_THREADS)"
@@ -142,7 +145,6 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     if loaded.device.type != "cpu" or n == 1:
         loaded.step_threads = n
         return ""
-    _measure_graph_work(loaded)
     fast = loaded.fast
     enabled = fast is not None and fast.enabled
     if fast is not None:
@@ -178,19 +180,11 @@ def choose_step_threads(loaded: Loaded, inputs: VideoInputs, tokens: int = 17, l
     return _graph_work(loaded, n)
 
 
-def _measure_graph_work(loaded: Loaded) -> None:
-    """This machine's `kernels.WIDE_GRAPH_WORK` where steps may run through the CPU op (measured once
-    per machine, here in the warm-up, never in a timed run: a compiled graph holds it as a constant)."""
-    if (kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32
-            and kernels.WIDE_GRAPH_WORK is None):
-        kernels.WIDE_GRAPH_WORK = kernels.measure_graph_work()
-
-
 def _graph_work(loaded: Loaded, n: int) -> str:
     """Where steps run on fewer than the process's `n` threads through the CPU op: the threshold
-    from which its calls take the `n` (`_measure_graph_work`), said in `loaded.threads_note`."""
+    from which its calls take the `n` (`kernels.WIDE_GRAPH_WORK`, measured in `choose_step_threads`),
+    said in `loaded.threads_note`."""
     if loaded.step_threads < n and kernels.backend(loaded.device) == "cpu" and loaded.dtype == torch.float32:
-        _measure_graph_work(loaded)
         loaded.threads_note += (f"; a step's attention call on {n} threads from "
                                 f"{kernels.WIDE_GRAPH_WORK:,} (pairs x entries x (rows + 3), measured)")
     return loaded.threads_note

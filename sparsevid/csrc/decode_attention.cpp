@@ -571,7 +571,10 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
     return (b * a.Hkv + hs / splits) * splits + hs % splits;
   };
   std::vector<int64_t> work(items);  // entries each item reads, in that order
-  for (int64_t x = 0; x < items; ++x) work[x] = std::max<int64_t>(0, end(at(x)) - (at(x) % splits) * SPLIT);
+  for (int64_t x = 0; x < items; ++x) {
+    const int64_t i = at(x);
+    work[x] = std::max<int64_t>(0, end(i) - (i % splits) * SPLIT);
+  }
   parallel(work, threads, [&](int64_t x0, int64_t x1) {
     std::vector<float> qrow(R * D), kt(D * TILE), p(R * TILE), al(R);
     std::vector<int64_t> sn(R);
