@@ -44,7 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--question", default=None)
     p.add_argument("--repeats", type=count, default=3)
     p.add_argument("--clips", type=int, default=0, help="held-out toy questions per frame count (accuracy and "
-                   "medians over them; default: one synthetic narration clip)")
+                   "medians over them; default: one synthetic narration clip); with --shape --rounds: random clips "
+                   "the questions take in turn (8: eight different prompts, the StD paper's batch 8; default one)")
     p.add_argument("--types", default="narrate", help="for --clips: comma list of toy question types (narrate, "
                    "colour, shape, direction, count, when, describe); narrations give the decode phase the most "
                    "tokens")
@@ -504,11 +505,14 @@ SHAPE_QUESTIONS = ("describe the video .", "what happens in the video ?", "what 
 
 @torch.inference_mode()
 def shape_rounds(args) -> int:
-    """Real rounds at a real shape (`--shape NAME --rounds`): `shape_loaded`'s model on one random
-    clip of about --seq visual tokens (default 16384) with up to 8 questions, decoded in batches of
-    each --batch size (`batch_rows`: dense and each method, paired, tokens/s of the batch, acceptance,
-    tokens per round, the bound from the run's own step costs, steps served by graphs). Random
-    weights: the acceptance is the random model's, not a checkpoint's; the costs are the shape's."""
+    """Real rounds at a real shape (`--shape NAME --rounds`): `shape_loaded`'s model on random clips
+    of about --seq visual tokens (default 16384) with up to 8 questions, decoded in batches of each
+    --batch size (`batch_rows`: dense and each method, paired, tokens/s of the batch, acceptance,
+    tokens per round, the bound from the run's own step costs, steps served by graphs). --clips N:
+    the questions take N clips in turn (8: eight different prompts, the StD paper's batch 8, whose
+    rows share nothing); default one clip, questions on one video (the demo's batch, whose rows
+    read their shared prefix once where the kernel can: `cache.Stack.prefix`). Random weights: the
+    acceptance is the random model's, not a checkpoint's; the costs are the shape's."""
     import numpy as np
 
     from .models import pick_device
@@ -526,9 +530,13 @@ def shape_rounds(args) -> int:
     bar = tqdm(total=len(seqs) * len(batches) * batch_passes(names, args), desc="bench", file=sys.stderr)
     try:
         for seq in seqs:
-            frames = np.random.default_rng(seq).integers(0, 256, (2 * -(-seq // 256), 448, 448, 3), dtype=np.uint8)
-            inputs = loaded.adapter.build_questions(frames, (SHAPE_QUESTIONS * 8)[:max(batches)], device=dev)
-            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(seq=inputs[0].m), bar)
+            questions = (SHAPE_QUESTIONS * 8)[:max(batches)]
+            clips = max(1, min(args.clips, len(questions)))
+            per_clip = [loaded.adapter.build_questions(
+                np.random.default_rng([seq, c]).integers(0, 256, (2 * -(-seq // 256), 448, 448, 3), dtype=np.uint8),
+                questions[c::clips], device=dev) for c in range(clips)]
+            inputs = [per_clip[i % clips][i // clips] for i in range(len(questions))]  # row i: clip i mod N
+            rows += batch_rows(args, loaded, names, settings, inputs, batches, dict(seq=inputs[0].m, clips=clips), bar)
     finally:
         bar.close()
     return print_batch_rows(args, loaded, settings, rows, shape=args.shape, layers=loaded.num_layers,

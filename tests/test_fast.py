@@ -364,6 +364,25 @@ def test_bench_shape_rounds_decodes_batches_of_a_real_shape_losslessly(capsys):
     assert rows[1]["read_bound"] > 0 and rows[1]["read_ms"] > 0 and rows[1]["step_mb"] > 0
     # and the steps after each pass's first 10 (12 here): what a step costs once its KV is back in the caches
     assert rows[1]["settled_step_ms"] > 0 and 0 < rows[1]["settled_vs_batch1"] < 4  # (2 rows: about 2 at most)
+    # two questions on one clip: the second row reads the first's copy of their common prefix
+    assert all(r["clips"] == 1 for r in rows) and rows[1]["shared_mb"] > 0
+
+
+def test_bench_shape_rounds_on_different_clips_shares_nothing(capsys):
+    """--clips 2: the two rows are two different prompts (the StD paper's batch of different
+    prompts), so nothing is read once for both: the bytes bound counts each row's KV, and each row's
+    tokens still equal its own dense run's."""
+    import json
+
+    from sparsevid import cli
+
+    assert cli.main(["bench", "--shape", "qwen2-vl-2b", "--rounds", "--layers", "1", "--seq", "300", "--batch", "2",
+                     "--clips", "2", "--methods", "std", "--k", "64", "--gamma", "3", "--no-adaptive-gamma",
+                     "--max-new-tokens", "13", "--ignore-eos", "--repeats", "1", "--compile", "off", "--device", "cpu",
+                     "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["clips"] == 2 and row["rows"] == 2 and row["identical_to_dense"]
+    assert row["shared_mb"] == 0 and 1 < row["bytes_bound"] < 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by python -m sparsevid.gpu_check)")
@@ -438,3 +457,15 @@ def test_the_buffer_pool_remembers_what_waited_idle_the_whole_run():
     assert t is k and bool((t == 0).all())  # the same buffer, zeroed
     pool.give_back({"k": t})  # the run ends
     assert pool.idle_bytes() == 6000 and pool.low == 2000
+
+
+def test_gpu_check_parts_are_commands_the_cli_takes():
+    """Every bench part of the GPU check parses as the CLI would (a typo there would cost a lent
+    GPU's minutes): the paper-comparable rounds take 8 different clips, the shared ones one."""
+    from sparsevid import cli, gpu_check
+
+    parser = cli.build_parser()
+    parsed = {name: parser.parse_args(cmd[cmd.index("sparsevid") + 1:])
+              for name, (cmd, _) in gpu_check.PARTS.items() if "sparsevid" in cmd}
+    assert parsed["rounds"].clips == 8 and parsed["rounds-shared"].clips == 0
+    assert len(parsed) == 6 and all(a.cmd == "bench" for a in parsed.values())
