@@ -23,7 +23,7 @@
 // Sequences that share their first entries (questions on one video: bit-identical KV over the common
 // prefix, `cache.Stack` checks it) can say so (`prefix` [B, 2]: the sequence whose K and V to read
 // for them, how many): an item whose keys all lie below that reads the other sequence's K and V (the
-// same values, so the same bits). Such a call runs its items in the order (KV head, split, sequence), so
+// same values, so the same bits). A call where one does runs its items in the order (KV head, split, sequence), so
 // the sequences reading one split of a head's shared keys run one after another and find them in cache;
 // any other in the order (sequence, KV head, split), each worker reading one sequence's K and V as
 // long contiguous streams: 8 sequences at 4,608 entries, 4 layers' buffers (beyond L3), on a 2-core
@@ -569,9 +569,11 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
   // item i: split i % splits of (sequence, KV head) i / splits, its keys [lo, hi) (empty past what its rows see)
   const auto end = [&](int64_t i) { return std::min({(i % splits + 1) * SPLIT, a.N, a.start[i / splits] + a.Q}); };
   // the item at place x of the order: (sequence, KV head, split), each worker's keys one stream after
-  // another, or, where sequences share a prefix, (KV head, split, sequence) (see the header)
+  // another, or, where a sequence reads another's prefix, (KV head, split, sequence) (see the header)
+  bool shared = false;
+  for (int64_t b = 0; a.prefix != nullptr && b < a.B; ++b) shared |= a.prefix[2 * b] != b && a.prefix[2 * b + 1] > 0;
   const auto at = [&](int64_t x) {
-    if (a.prefix == nullptr) return x;
+    if (!shared) return x;
     const int64_t b = x % a.B, hs = x / a.B;
     return (b * a.Hkv + hs / splits) * splits + hs % splits;
   };
