@@ -23,11 +23,11 @@
 // Sequences that share their first entries (questions on one video: bit-identical KV over the common
 // prefix, `cache.Stack` checks it) can say so (`prefix` [B, 2]: the sequence whose K and V to read
 // for them, how many): an item whose keys all lie below that reads the other sequence's K and V (the
-// same values, so the same bits). A call where one does runs its items in the order (KV head, split, sequence), so
-// the sequences reading one split of a head's shared keys run one after another and find them in cache;
-// any other in the order (sequence, KV head, split), each worker reading one sequence's K and V as
-// long contiguous streams: 8 sequences at 4,608 entries, 4 layers' buffers (beyond L3), on a 2-core
-// AMD EPYC (Zen 4) 4.1-4.4 -> 3.7-3.9 ms on two threads, 7.2 -> 6.0 on one, against the order above.
+// same values, so the same bits). A call where one does runs its items in the order (KV head, split,
+// sequence), so the sequences reading one split of a head's shared keys run one after another and find
+// them in cache; any other in the order (sequence, KV head, split), each worker reading one sequence's K
+// and V as long contiguous streams: 8 sequences at 4,608 entries, 4 layers' buffers (beyond L3), on a
+// 2-core AMD EPYC (Zen 4) 4.1-4.4 -> 3.7-3.9 ms on two threads, 7.2 -> 6.0 on one, against the other.
 //
 // Parallel over items with ATen's thread pool (torch's intra-op threads, `torch.set_num_threads`), or
 // on `threads` OpenMP threads where the caller asks for more than that and the call's work, B x Hkv x
