@@ -570,10 +570,8 @@ void run(const Args& a, float* out, int64_t threads, int64_t min_work) {
   const auto end = [&](int64_t i) { return std::min({(i % splits + 1) * SPLIT, a.N, a.start[i / splits] + a.Q}); };
   // the item at place x of the order: (sequence, KV head, split), each worker's keys one stream after
   // another, or, where a sequence reads another's prefix, (KV head, split, sequence) (see the header)
-  bool shared = false;
-  for (int64_t b = 0; a.prefix != nullptr && b < a.B; ++b) shared |= a.prefix[2 * b] != b && a.prefix[2 * b + 1] > 0;
   const auto at = [&](int64_t x) {
-    if (!shared) return x;
+    if (a.prefix == nullptr) return x;
     const int64_t b = x % a.B, hs = x / a.B;
     return (b * a.Hkv + hs / splits) * splits + hs % splits;
   };
@@ -666,9 +664,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(pt.scalar_type() == at::kLong && pt.is_contiguous() && pt.dim() == 2 && pt.size(0) == a.B && pt.size(1) == 2,
                 "decode_attention: prefix [B, 2] int64");
     a.prefix = pt.data_ptr<int64_t>();
-    for (int64_t b = 0; b < a.B; ++b)
+    bool shared = false;  // a row reads another's first entries (else, as a stack's rows sharing nothing, none)
+    for (int64_t b = 0; b < a.B; ++b) {
       TORCH_CHECK((a.prefix[2 * b] >= 0 && a.prefix[2 * b] < k.size(0)) || a.prefix[2 * b + 1] == 0,
                   "decode_attention: prefix names a sequence k and v do not have");
+      shared |= a.prefix[2 * b] != b && a.prefix[2 * b + 1] > 0;
+    }
+    if (!shared) a.prefix = nullptr;
   }
   a.scale = static_cast<float>(scale);
   at::Tensor out = at::empty({a.B, a.Q, a.H, a.D}, q.options());
