@@ -98,3 +98,35 @@ def combine(O_part, L_part, Out, so_b, so_h, so_s, so_m, so_d, sl_b, sl_h, sl_s,
     g = r // q_len
     t = r % q_len
     tl.store(Out + b * st_b + t * st_t + (h * G + g) * st_h + d * st_d, o.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def sm90_usage(G: int, cfg: dict, dtype: str, bias: bool = True, prefix: bool = True) -> dict:
+    """`split_kv` launched as `cfg` (`kernels.triton_config`) with `dtype` ("bf16", "fp16" or "fp32")
+    compiled for sm_90 (H100 / H200) with Triton's own ptxas, which needs no GPU: {"shared": bytes of
+    shared memory a block needs, "local": bytes of local memory per thread (spilled registers),
+    "registers": per thread}, read from the cubin with Triton's cuobjdump. Not under
+    TRITON_INTERPRET=1 (the interpreter replaces the compiler)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(G=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], HAS_BIAS=bias,
+                 HAS_PREFIX=prefix, IEEE=dtype == "fp32")
+    types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Bias=f"*{dtype}", Start="*i64", Prefix="*i64",
+                 O_part="*fp32", L_part="*fp32", scale="fp32")
+    signature = {name: "constexpr" if name in const else types.get(name, "i32") for name in split_kv.arg_names}
+    kernel = triton.compile(ASTSource(split_kv, signature, const), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "split_kv.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    field = {name: int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK")}
+    return dict(shared=kernel.metadata.shared, local=field["STACK"], registers=field["REG"])
+

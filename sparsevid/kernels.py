@@ -344,24 +344,46 @@ def splits_for(capacity: int, rows: int, device: torch.device, unit: int) -> tup
     return math.ceil(capacity / per), per
 
 
-def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_warps: int | None = None,
+# The largest shared memory a block may have on an H100 / H200 (sm_90): 227 KB.
+SM90_SHARED = 232_448
+
+
+def triton_config(G: int, q: int, D: int, dtype: torch.dtype) -> dict:
+    """`split_kv`'s launch for G query heads per KV head, q new tokens and head dim D: its tile sizes
+    (BLOCK_M rows, BLOCK_N keys, BLOCK_D dims), warps and stages. The key tile depends on D and the
+    dtype only, never on q: a row's online softmax runs over the same tiles in a one-row step and in
+    a verification (the same bits, as the splits). bf16 / float16, as measured on one H200 (7B heads,
+    batch 8, 16k-64k entries): 64-key tiles; one row block of up to 32 rows: 4 warps, 2 stages (a
+    step: 4.3 TB/s at 64k, the mask-free flash kernel's 4.3); more rows (a verification, G (γ + 1) =
+    70): 8 warps, 3 stages (0.48 ms at 64k against 0.66 ms with 2 stages). float32 (exact products:
+    `tl.dot` in IEEE mode, on the CUDA cores, its tiles in registers): 2 stages and at most 2,048
+    (key, dim) pairs a tile. Compiled for sm_90 on a CPU with Triton 3.6 (the GPU image's) and 3.9,
+    resource usage read from the cubin (`_triton_attention.sm90_usage`): with 64-key tiles at the 7B
+    heads a verification of 64-128 rows spilled 10.6-17.6 KB of local memory per thread; with 16-key
+    tiles 0-168 bytes; 3 stages of 128 rows x 128 dims with a bias needed 295 KB of shared memory, more
+    than a block may have (`SM90_SHARED`). `tests/test_kernels.py` compiles every launch this gives
+    at the models' heads and checks both. Unmeasured on a GPU: float32 is the exactness path there."""
+    block_m, block_d = max(16, triton_next_pow2(G * q)), max(16, triton_next_pow2(D))
+    warps = 4 if block_m <= 32 else 8
+    if dtype == torch.float32:
+        return dict(BLOCK_M=block_m, BLOCK_N=max(16, min(64, 2048 // block_d)), BLOCK_D=block_d, num_warps=warps,
+                    num_stages=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block_d, num_warps=warps, num_stages=2 if block_m <= 32 else 3)
+
+
+def attend_triton(query, k, v, start, scale, bias=None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, prefix=None):
-    """`attend` through the split-KV Triton kernel (see the module docstring); the tile size, warps
-    and stages are tunable (`bench --verify-kernels` times variants on CUDA). Defaults as measured
-    on one H200 (7B heads, bf16, batch 8, 16k-64k entries): 64-key tiles; one row block of up to
-    32 rows: 4 warps, 2 stages (a step: 4.3 TB/s at 64k, the mask-free flash kernel's 4.3);
-    more rows (a verification, G (γ + 1) = 70): 8 warps, 3 stages (0.48 ms at 64k against 0.66 ms
-    with 2 stages); in float32, 2 stages (3 stages of 128 rows x 128 dims with a bias need 295 KB
-    of shared memory, compiled for sm_90: more than an H100/H200 block's 227 KB)."""
+    """`attend` through the split-KV Triton kernel (see the module docstring), launched as
+    `triton_config` says; the tile size, warps and stages can be set (`bench --verify-kernels`
+    times variants on CUDA)."""
     from ._triton_attention import combine, split_kv
 
     B, H, q, D = query.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = H // Hkv
-    block_m = max(16, triton_next_pow2(G * q))
-    block_d = max(16, triton_next_pow2(D))
-    num_warps = num_warps or (4 if block_m <= 32 else 8)
-    num_stages = num_stages or (2 if block_m <= 32 or query.dtype == torch.float32 else 3)
+    cfg = triton_config(G, q, D, query.dtype)
+    cfg.update({name: x for name, x in dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages).items() if x})
+    block_m, block_d = cfg["BLOCK_M"], cfg["BLOCK_D"]
     splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
     start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
@@ -372,8 +394,7 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int = 64, num_w
         query, k, v, start, bias_t, prefix if prefix is not None else start, o_part, l_part,
         *query.stride(), *k.stride(), *v.stride(), *bs,
         scale, Hkv, q, per, D,
-        G=G, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_BIAS=bias is not None, HAS_PREFIX=prefix is not None,
-        IEEE=query.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        G=G, HAS_BIAS=bias is not None, HAS_PREFIX=prefix is not None, IEEE=query.dtype == torch.float32, **cfg)
     out = torch.empty(B, q, H, D, dtype=query.dtype, device=query.device)
     combine[(B * Hkv, G * q)](o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(),
                               Hkv, q, D, splits, G=G, SPLITS=max(2, triton_next_pow2(splits)), BLOCK_D=block_d)

@@ -3,6 +3,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,6 +89,37 @@ def test_sdpa_backend_takes_a_non_contiguous_sdpa_output(monkeypatch):
     out = kernels.attend_sdpa(query, k, v, start, 0.2)
     ref = kernels.reference(query, k, v, start, 0.2)
     assert (out.double() - ref).abs().max() < 1e-6
+
+
+# (query heads per KV head, head dim) of the models served: Qwen2-VL / Qwen2.5-VL 7B and
+# LLaVA-OneVision 7B (28 / 4, 128), Qwen2-VL 2B (12 / 2, 128), the embedded model (8 / 4, 24)
+HEADS = [(7, 128), (6, 128), (2, 24)]
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+def test_each_triton_launch_compiles_for_an_h100_within_its_shared_memory_and_without_spilling():
+    """Every distinct launch `kernels.triton_config` gives at HEADS, for a step (q = 1) and a
+    verification of γ + 1 = 10 tokens, in bf16 and float32, compiled for sm_90 (H100 / H200) here on
+    a machine without a GPU (Triton's own ptxas; in a process of its own, without the interpreter):
+    it fits a block's shared memory (a 3-stage float32 verification once needed 295 KB, found only on
+    a GPU) and keeps its tiles in registers (at most 1 KB of local memory per thread: 64-key float32
+    tiles spilled 17 KB). With a bias and a shared prefix: the variant that needs the most."""
+    launches = {}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for G, D in HEADS:
+            for q in (1, 10):
+                cfg = kernels.triton_config(G, q, D, dtype)
+                launches.setdefault((name, cfg["BLOCK_M"], cfg["BLOCK_D"]), (G, cfg, name))
+    code = ("import json, sys; from sparsevid._triton_attention import sm90_usage; "
+            "print(json.dumps([sm90_usage(*x) for x in json.load(sys.stdin)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(list(launches.values())), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    report = [f"{name} {cfg}: {u}" for (G, cfg, name), u in zip(launches.values(), usage)]
+    assert len(usage) == len(launches) >= 8
+    assert all(u["shared"] <= kernels.SM90_SHARED and u["local"] <= 1024 for u in usage), "\n".join(report)
 
 
 def test_the_backend_is_triton_on_cuda_and_the_own_kernel_on_the_cpu(monkeypatch):
