@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ss_b", "ss_h"])
 def split_kv(Q, K, V, Start, Bias, Prefix, O_part, L_part,
-             sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_b, sb_h, sb_g, sb_n,
+             sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_b, sb_h, sb_g, sb_n, ss_b, ss_h,
              scale, Hkv, q_len, per, D,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              HAS_BIAS: tl.constexpr, HAS_PREFIX: tl.constexpr, IEEE: tl.constexpr):
@@ -23,7 +23,7 @@ def split_kv(Q, K, V, Start, Bias, Prefix, O_part, L_part,
     s = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)  # offsets past 2^31 elements (a batch of long buffers) stay exact
     h = bh % Hkv
-    start = tl.load(Start + bh)  # Start [B, Hkv], contiguous
+    start = tl.load(Start + b * ss_b + h * ss_h)  # Start [B, Hkv] (a stride 0 where rows or heads share one)
     end = start + q_len  # entries 0 .. end - 1 exist for some row
     lo = s * per
     hi = tl.minimum(lo + per, end)
@@ -102,10 +102,20 @@ def combine(O_part, L_part, Out, so_b, so_h, so_s, so_m, so_d, sl_b, sl_h, sl_s,
 
 def sm90_usage(G: int, cfg: dict, dtype: str, bias: bool = True, prefix: bool = True) -> dict:
     """`split_kv` launched as `cfg` (`kernels.triton_config`) with `dtype` ("bf16", "fp16" or "fp32")
-    compiled for sm_90 (H100 / H200) with Triton's own ptxas, which needs no GPU: {"shared": bytes of
-    shared memory a block needs, "local": bytes of local memory per thread (spilled registers),
-    "registers": per thread}, read from the cubin with Triton's cuobjdump. Not under
-    TRITON_INTERPRET=1 (the interpreter replaces the compiler)."""
+    compiled for sm_90 (H100 / H200): `sm90_resources`."""
+    const = dict(G=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], HAS_BIAS=bias,
+                 HAS_PREFIX=prefix, IEEE=dtype == "fp32")
+    types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Bias=f"*{dtype}", Start="*i64", Prefix="*i64",
+                 O_part="*fp32", L_part="*fp32", scale="fp32")
+    return sm90_resources(split_kv, types, const, cfg["num_warps"], cfg["num_stages"])
+
+
+def sm90_resources(fn, types: dict, const: dict, num_warps: int, num_stages: int = 2, **options) -> dict:
+    """The Triton kernel `fn` with its pointer and float arguments typed as `types` (the rest i32)
+    and `const` for its constexprs (and other compile `options`), compiled for sm_90 (H100 / H200) with Triton's own ptxas, which
+    needs no GPU: {"shared": bytes of shared memory a block needs, "local": bytes of local memory per
+    thread (spilled registers), "registers": per thread}, read from the cubin with Triton's
+    cuobjdump. Not under TRITON_INTERPRET=1 (the interpreter replaces the compiler)."""
     import os
     import re
     import subprocess
@@ -114,19 +124,14 @@ def sm90_usage(G: int, cfg: dict, dtype: str, bias: bool = True, prefix: bool = 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    const = dict(G=G, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], HAS_BIAS=bias,
-                 HAS_PREFIX=prefix, IEEE=dtype == "fp32")
-    types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Bias=f"*{dtype}", Start="*i64", Prefix="*i64",
-                 O_part="*fp32", L_part="*fp32", scale="fp32")
-    signature = {name: "constexpr" if name in const else types.get(name, "i32") for name in split_kv.arg_names}
-    kernel = triton.compile(ASTSource(split_kv, signature, const), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    signature = {name: "constexpr" if name in const else types.get(name, "i32") for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, const), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "split_kv.cubin")
+        path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
     field = {name: int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK")}
     return dict(shared=kernel.metadata.shared, local=field["STACK"], registers=field["REG"])
-

@@ -18,6 +18,11 @@ one eager step to capture, no compiler, so it fits a ZeroGPU call), on the CPU c
 - attention is `kernels.attend` (the write positions as a tensor: causality and each buffer's
   unfilled tail; a split-KV kernel of this project: C++ on the CPU (an op, so a compiled graph calls
   it), Triton on CUDA; SDPA with a mask where neither is available);
+- on CUDA the layers' RMSNorms, rotary embedding and KV writes run as one Triton kernel each
+  (`FUSED`, `kernels.rms_norm`, `kernels.rotary`, `kernels.write_kv`) instead of 8, 10 and 4 small
+  ones: in a captured 7B step those are ~730 kernels of a few µs each that read next to nothing. transformers' code still
+  decides when they run (its modules and its `apply_rotary_pos_emb` are routed to the kernels
+  only inside a step); the prefill runs transformers' ops;
 - CPU: the capacity dimension of every buffer is marked dynamic, and so is the row count of a
   verification pass (q > 1): one compiled graph serves every video length and every γ. CUDA: a
   graph per (buffers, rows, layers); the buffers come from the model's `cache.BufferPool`, so the
@@ -49,6 +54,8 @@ step; HT-Sparse and SparseMM at 288 visual tokens 0.95x of dense with them, 1.01
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 import types
 import warnings
@@ -124,19 +131,23 @@ class StaticView:
     start[..., b.slot] for width 1).
     """
 
-    def __init__(self, layers: list, head_scale: list, start: torch.Tensor):
-        self.layers, self.head_scale = layers, head_scale
+    def __init__(self, layers: list, head_scale: list, start: torch.Tensor, fuse: bool = False):
+        self.layers, self.head_scale, self.fuse = layers, head_scale, fuse
         self.start = start if start.dim() == 2 else start[None]
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        """Write key/value [B, Hkv, q, D] into the layer's block(s); return (StaticKV, None)."""
+        """Write key/value [B, Hkv, q, D] into the layer's block(s) (`fuse`: one Triton kernel a
+        block where it takes them, `kernels.write_kv`); return (StaticKV, None)."""
         layer = self.layers[layer_idx]
         starts = []
         for b in blocks_of(layer):
             start = self.start[:, b.slot:b.slot + b.width]  # [B or 1, width]
-            pos = start[:, :, None] + torch.arange(key.shape[2], device=key.device)  # [B or 1, width, q]
-            write_at(b.k, pos, key if b.heads is None else key.index_select(1, b.heads))
-            write_at(b.v, pos, value if b.heads is None else value.index_select(1, b.heads))
+            if self.fuse and b.heads is None and kernels.write_kv_fusable(b.k, b.v, start, key, value):
+                kernels.write_kv(b.k, b.v, start, key, value)
+            else:
+                pos = start[:, :, None] + torch.arange(key.shape[2], device=key.device)  # [B or 1, width, q]
+                write_at(b.k, pos, key if b.heads is None else key.index_select(1, b.heads))
+                write_at(b.v, pos, value if b.heads is None else value.index_select(1, b.heads))
             starts.append(start)
         return StaticKV(layer, self.head_scale[layer_idx], starts if isinstance(layer, Split) else starts[0]), None
 
@@ -149,16 +160,68 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
     # transformers hooks its layers to read a ContextVar, which breaks a compiled graph; its own
     # compile-safe switch (a plain variable while tracing) turns those hooks off for the step.
     token = _COLLECTOR.set(None) if _COLLECTOR is not None else None
+    fuse = fused(input_ids.device) and install_fused(lm)
+    if fuse:  # (never touched where not fusing: the CPU's compiled step traces this function)
+        _FUSING.on = True
     try:
         h = lm.embed_tokens(input_ids)
         pe = lm.rotary_emb(h, position_ids)
-        view = StaticView(layers, head_scale, start)
+        view = StaticView(layers, head_scale, start, fuse)
         for layer in lm.layers[:len(layers)]:
             h = layer(h, attention_mask=None, position_embeddings=pe, past_key_values=view, use_cache=True)
         return model.lm_head(lm.norm(h))
     finally:
+        if fuse:
+            _FUSING.on = False
         if _COLLECTOR is not None:
             _COLLECTOR.reset(token)
+
+
+# Fused layer ops (`kernels.rms_norm`, `kernels.rotary`: one Triton kernel each in place of
+# transformers' 7-8 and 10 small ones). SPARSEVID_FUSED=auto: in every decode step on CUDA where
+# Triton imports; on: also on the CPU (through Triton's interpreter: the tests); off: never (the GPU
+# check times a step both ways). Prefill and everything outside `static_step` run transformers' ops.
+FUSED = os.environ.get("SPARSEVID_FUSED", "auto") if os.environ.get("SPARSEVID_FUSED") in ("auto", "on", "off") \
+    else "auto"
+NORMS = ("Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm")  # weight * x / rms(x), the served LMs' norm
+_FUSING = threading.local()  # .on: this thread is inside a fused step
+
+
+def fused(device: torch.device) -> bool:
+    """Whether a decode step on `device` runs the fused layer ops (`FUSED`)."""
+    return FUSED != "off" and (device.type == "cuda" or FUSED == "on") and kernels.triton_available()
+
+
+def install_fused(lm) -> bool:
+    """Route `lm`'s RMSNorms and its attention module's `apply_rotary_pos_emb` through the fused
+    kernels while this thread is inside `static_step` (`_FUSING.on`), else through transformers'
+    own code: each norm gets a forward of its own, the modeling module's function a wrapper (once
+    per module; it is looked up at each call). A graph captured inside a step records the fused
+    kernels. False where the layers are not the served architectures' (nothing installed)."""
+    if getattr(lm, "_sparsevid_fused", None) is not None:
+        return lm._sparsevid_fused
+    module = sys.modules[type(lm.layers[0].self_attn).__module__]
+    plain = getattr(module, "apply_rotary_pos_emb", None)
+    norms = [m for layer in lm.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)] + [lm.norm]
+    ok = plain is not None and all(type(m).__name__ in NORMS for m in norms)
+    if ok:
+        if not getattr(plain, "_sparsevid_fused", False):
+            def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+                if getattr(_FUSING, "on", False) and unsqueeze_dim == 1 and kernels.rotary_fusable(q, k, cos, sin):
+                    return kernels.rotary(q, k, cos, sin)
+                return plain(q, k, cos, sin, unsqueeze_dim)
+
+            apply_rotary_pos_emb._sparsevid_fused = True
+            module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        for m in norms:
+            def forward(x, m=m, plain=type(m).forward):
+                if getattr(_FUSING, "on", False):
+                    return kernels.rms_norm(x, m.weight, m.variance_epsilon)
+                return plain(m, x)
+
+            m.forward = forward
+    lm._sparsevid_fused = ok
+    return ok
 
 
 def static_attention(query, kv: StaticKV, scale):

@@ -14,7 +14,9 @@ others still run; the JSON is written after every part):
    step, draft step and verification, eager and captured, each against its limit, StD's round
    bound against the ideal one, HT-Sparse's and SparseMM's per-head layouts at their default
    proportions against the limit of what they read, and (batch 1) a dense prefill (`bench --shape`);
-   `shapes-sdpa`: one row of it with SDPA attention;
+   `shapes-sdpa`: one row of it with SDPA attention; `shapes-unfused`: batch 1 and 8 at 16k with
+   transformers' own RMSNorm and rotary ops in each step instead of the fused kernels
+   (`fast.FUSED`, `kernels.rms_norm`, `kernels.rotary`): what fusing them saves;
 4. `embedded`: the embedded model in bf16 on every bundled example, every method against dense as
    the app runs them (`runs.compare`, warm-up included): tokens identical for the lossless ones,
    decode speedups, steps served by graphs, and the first comparison's seconds from a cold model;
@@ -29,8 +31,8 @@ others still run; the JSON is written after every part):
 
 The parts' own timeouts add up to 840 s; `--budget` (default 570 s, inside a 600-s command limit)
 caps the whole check: a part runs at most for the time left, and one that would get less than 30 s
-is skipped (recorded as skipped). `--parts tests,kernels,shapes,shapes-sdpa,embedded` is the
-4-minute check.
+is skipped (recorded as skipped). `--parts tests,kernels,shapes,shapes-sdpa,shapes-unfused,embedded`
+is the 4-5-minute check.
 
 Prints one line of exit codes and seconds; everything lands in --out.
 """
@@ -57,6 +59,8 @@ PARTS = {
                 "--json"], 150),
     "shapes-sdpa": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1", "--seq",
                      "16384", "--json"], 60),
+    "shapes-unfused": ([sys.executable, "-m", "sparsevid", "bench", "--shape", "qwen2-vl-7b", "--batch", "1,8",
+                        "--seq", "16384", "--json"], 75),
     "embedded": ([sys.executable, "-m", "sparsevid.gpu_check", "--embedded"], 120),
     "embedded-batch": ([sys.executable, "-m", "sparsevid", "bench", "--frames", "256", "--batch", "1,8", "--methods",
                         "std", "--ignore-eos", "--max-new-tokens", "48", "--repeats", "2", "--json"], 90),
@@ -67,7 +71,7 @@ PARTS = {
                        "1,8", "--seq", "16384", "--methods", "std", "--ignore-eos", "--max-new-tokens", "32",
                        "--repeats", "1", "--json"], 120),
 }
-ENV = {"shapes-sdpa": {"SPARSEVID_ATTENTION": "sdpa"}}
+ENV = {"shapes-sdpa": {"SPARSEVID_ATTENTION": "sdpa"}, "shapes-unfused": {"SPARSEVID_FUSED": "off"}}
 LOSSLESS = ("std", "streaming", "layerskip")
 LOSSY = ("htsparse", "sparsemm")
 

@@ -27,6 +27,11 @@ Three backends compute the same thing:
   on the capacity only, never on q, so a row's arithmetic is the same in a one-row step and in a
   verification pass.
 
+Beside attention, two small ops of a decoder layer as Triton kernels for the CUDA steps
+(`rms_norm`, `rotary`, `write_kv`; `fast.FUSED`): in a captured step every kernel costs a few µs
+whatever it reads, and transformers spends 8 on an RMSNorm and 10 on the rotary embedding of a
+layer's q and k, the cache's writes 4 on a layer's new K and V.
+
 `backend()` picks `triton` on CUDA where Triton imports, `cpu` on the CPU where it builds, else `sdpa`;
 SPARSEVID_ATTENTION=sdpa|cpu|triton overrides it (`bench --verify-kernels` and the GPU check time each). The tests check each against a float64 reference on the
 CPU (Triton's interpreter, TRITON_INTERPRET=1).
@@ -385,20 +390,85 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int | None = No
     cfg.update({name: x for name, x in dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages).items() if x})
     block_m, block_d = cfg["BLOCK_M"], cfg["BLOCK_D"]
     splits, per = splits_for(N, B * Hkv, query.device, 256)  # the split never depends on q or the tile
-    start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv).contiguous()
+    start = per_sequence_and_head(start, B, Hkv).expand(B, Hkv)  # read through its strides: no copy a layer
     o_part = torch.empty(B, Hkv, splits, block_m, D, dtype=torch.float32, device=query.device)
     l_part = torch.empty(B, Hkv, splits, block_m, dtype=torch.float32, device=query.device)
     bias_t = bias if bias is not None else k  # any tensor: not read without HAS_BIAS
     bs = ((0,) + bias.stride() if bias.dim() == 3 else bias.stride()) if bias is not None else (0, 0, 0, 0)
     split_kv[(B * Hkv, splits)](
         query, k, v, start, bias_t, prefix if prefix is not None else start, o_part, l_part,
-        *query.stride(), *k.stride(), *v.stride(), *bs,
+        *query.stride(), *k.stride(), *v.stride(), *bs, *start.stride(),
         scale, Hkv, q, per, D,
         G=G, HAS_BIAS=bias is not None, HAS_PREFIX=prefix is not None, IEEE=query.dtype == torch.float32, **cfg)
     out = torch.empty(B, q, H, D, dtype=query.dtype, device=query.device)
     combine[(B * Hkv, G * q)](o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(),
                               Hkv, q, D, splits, G=G, SPLITS=max(2, triton_next_pow2(splits)), BLOCK_D=block_d)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Qwen2 / Qwen2-VL / Qwen2.5-VL) of x [..., N] with weight [N] as one
+    Triton kernel (`_triton_layer.rms_norm`, a program a row): weight * (x * rsqrt(mean(x²) + eps))
+    rounded as transformers rounds it, in x's and weight's promoted dtype."""
+    from ._triton_layer import rms_norm as kernel
+
+    N = x.shape[-1]
+    rows = x.reshape(-1, N)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton_next_pow2(N)
+    kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps, BLOCK=block,
+                             num_warps=4 if block <= 1024 else 8, enable_fp_fusion=False)
+    return out.view(x.shape)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` (unsqueeze_dim 1) as one Triton kernel
+    (`_triton_layer.rotary`, a program per (token, head)): q [B, H, T, D], k [B, Hkv, T, D] (any
+    strides but a unit last one), cos and sin [B or 1, T, D] -> (q_embed, k_embed), laid out as q and
+    k, with PyTorch's roundings (bf16 and float16: transformers' bits)."""
+    from ._triton_layer import rotary as kernel
+
+    B, H, T, D = q.shape
+    ty = torch.promote_types(q.dtype, cos.dtype)
+    qo = torch.empty_like(q, dtype=ty)
+    ko = torch.empty_like(k, dtype=ty)
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)  # a stride of 0 where one row serves all
+    kernel[(B * T, H + k.shape[1])](q, k, cos, sin, qo, ko, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
+                                    *ko.stride()[:3], *cos.stride()[:2], T, H, D // 2,
+                                    BLOCK=max(16, triton_next_pow2(D // 2)), num_warps=1, enable_fp_fusion=False)
+    return qo, ko
+
+
+def write_kv(kbuf: torch.Tensor, vbuf: torch.Tensor, start: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """kbuf[b, h, start[b, h] + t] = key[b, h, t], the same for vbuf and value, as one Triton kernel
+    (`_triton_layer.write_kv`): buffers [B, Hkv, capacity, D], key and value [B, Hkv, q, D], start
+    [B or 1, Hkv or 1] (`fast.StaticView`'s write positions); what `cache.write_at` does in four."""
+    from ._triton_layer import write_kv as kernel
+
+    B, Hkv, q, D = key.shape
+    st = start.expand(B, Hkv)  # a stride of 0 where one position serves all rows or heads
+    kernel[(B * Hkv, q)](key, value, kbuf, vbuf, st, *key.stride()[:3], *kbuf.stride()[:3], *st.stride(), Hkv, D,
+                         BLOCK=max(16, triton_next_pow2(D)), num_warps=1)
+
+
+def write_kv_fusable(kbuf, vbuf, start, key, value) -> bool:
+    """Whether `write_kv` takes these: K and V (new, and buffers) laid out alike, unit last strides,
+    the same dtype and heads, the buffers' rows those of the new entries, int64 positions [B or 1,
+    Hkv or 1]."""
+    return (key.stride() == value.stride() and kbuf.stride() == vbuf.stride() and key.stride(3) == kbuf.stride(3) == 1
+            and key.dtype == value.dtype == kbuf.dtype == vbuf.dtype and key.shape[:2] == kbuf.shape[:2] == vbuf.shape[:2]
+            and start.dim() == 2 and start.dtype == torch.long and start.shape[0] in (1, key.shape[0])
+            and start.shape[1] in (1, key.shape[1]) and key.shape[3] == kbuf.shape[3])
+
+
+def rotary_fusable(q, k, cos, sin) -> bool:
+    """Whether `rotary` takes these (else transformers' own ops run): 4-D q and k over the same
+    tokens, [B or 1, T, D] cos and sin like each other, unit last strides, an even head dim."""
+    return (q.dim() == k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.stride() == sin.stride()
+            and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] and cos.shape[0] in (1, q.shape[0])
+            and tuple(cos.shape[1:]) == tuple(q.shape[2:]) and q.shape[3] % 2 == 0
+            and q.stride(3) == k.stride(3) == cos.stride(2) == 1 and k.dtype == q.dtype and sin.dtype == cos.dtype)
 
 
 def per_sequence_and_head(start: torch.Tensor, B: int, Hkv: int) -> torch.Tensor:

@@ -3,6 +3,7 @@ architecture and on the embedded model; no recompilation once a run's step kinds
 a compilation that fails falls back to eager without failing the run."""
 
 import json
+import os
 import re
 
 import numpy as np
@@ -406,6 +407,42 @@ def test_cuda_graph_steps_give_eager_tokens_on_the_embedded_model():
     assert loaded.fast.captures == before
 
 
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_steps_through_the_fused_layer_kernels_give_the_same_tokens(tiny_model_dir, tiny_loaded, arch,
+                                                                          monkeypatch):
+    """With the fused RMSNorm, rotary and KV-write kernels (on CUDA in every decode step; here through
+    Triton's interpreter) dense and StD give the tokens of transformers' own ops, float32; every
+    decode step of every layer runs them and the prefill does not (it keeps transformers' code)."""
+    if torch.cuda.is_available():
+        from sparsevid.models import load_model
+
+        loaded = load_model(tiny_model_dir(arch), device="cuda", dtype="float32")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        loaded = tiny_loaded(arch)
+    else:
+        pytest.skip("Triton runs on the CPU only through its interpreter")
+    calls = {"rms_norm": 0, "rotary": 0, "write_kv": 0}
+    for name in calls:
+        def counted(*args, name=name, fn=getattr(kernels, name)):
+            calls[name] += 1
+            return fn(*args)
+
+        monkeypatch.setattr(kernels, name, counted)
+    inputs = loaded.adapter.build_inputs(clip(8), "what colour is the object ?").to(loaded.device)
+    ignore = Sampling(ignore_eos=True)
+    tokens = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(fast, "FUSED", mode)
+        for n in ("dense", "std"):
+            tokens[mode, n] = run_method(loaded, inputs, n, SETTINGS, 20, ignore).token_ids
+            if (mode, n) == ("on", "dense"):
+                L = len(getattr(loaded.model.model, "language_model", loaded.model.model).layers)
+                assert calls == dict(rms_norm=19 * (2 * L + 1), rotary=19 * L, write_kv=19 * L), calls  # no prefill
+    assert calls["rotary"] > 19 * L  # StD's steps too
+    assert tokens["on", "dense"] == tokens["off", "dense"] == tokens["on", "std"] == tokens["off", "std"]
+
+
 @pytest.mark.filterwarnings("ignore:SparseMM")
 def test_bench_gives_a_direct_methods_bound_from_the_kv_it_reads(tiny_model_dir, capsys):
     """`bench` on a direct method: its decode bound from the KV it reads and the share of a dense step
@@ -468,4 +505,4 @@ def test_gpu_check_parts_are_commands_the_cli_takes():
     parsed = {name: parser.parse_args(cmd[cmd.index("sparsevid") + 1:])
               for name, (cmd, _) in gpu_check.PARTS.items() if "sparsevid" in cmd}
     assert parsed["rounds"].clips == 8 and parsed["rounds-shared"].clips == 0
-    assert len(parsed) == 6 and all(a.cmd == "bench" for a in parsed.values())
+    assert len(parsed) == 7 and all(a.cmd == "bench" for a in parsed.values())

@@ -404,3 +404,97 @@ def test_an_eager_one_thread_step_gives_the_cpu_op_the_threads_a_compiled_one_do
     assert kernels.op_threads() == (0, 0)
 
 
+
+
+# (hidden, query heads, KV heads, head dim): the 7B shape, the embedded model
+LAYERS = [(3584, 28, 4, 128), (192, 8, 4, 24)]
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden,H,Hkv,D", LAYERS)
+def test_fused_layer_kernels_give_transformers_norm_and_rotary(device, dtype, hidden, H, Hkv, D):
+    """`kernels.rms_norm` and `kernels.rotary` (one Triton kernel each, in every decode step on
+    CUDA) against transformers' own RMSNorm and `apply_rotary_pos_emb` on the same inputs: queries
+    and keys laid out as transformers hands them over (heads transposed out of the projection), cos
+    and sin per sequence or one for all. The rotary embedding gives transformers' bits (its
+    roundings kept) and its layout; the norm differs only by its mean's summation order (a few
+    units in the last place). Triton's interpreter rounds to bf16 by truncation (a GPU rounds
+    to nearest): there bf16 is held to one unit in the last place."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on the CPU only through its interpreter")
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    g = torch.Generator().manual_seed(1)
+    ulp = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    exact = dtype != torch.bfloat16 or device == "cuda"
+    norm = qwen2_vl.Qwen2VLRMSNorm(hidden, 1e-6).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g) * 0.3 + 1)
+    x = (torch.randn(2, 3, hidden, generator=g) * 4).to(device, dtype)
+    with torch.no_grad():
+        want, got = norm(x), kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = (4 if dtype == torch.float32 else 2) * ulp * want.float().abs()  # x / rms rounded, then times w rounded
+    assert ((got.float() - want.float()).abs() <= tol).all()
+    for B_cos in (2, 1):
+        T = 3
+        q = torch.randn(2, T, H, D, generator=g).to(device, dtype).transpose(1, 2)  # [B, H, T, D], as transformers'
+        k = torch.randn(2, T, Hkv, D, generator=g).to(device, dtype).transpose(1, 2)
+        angle = torch.randn(B_cos, T, D // 2, generator=g) * 50
+        cos, sin = (torch.cat([f(angle)] * 2, -1).to(device, dtype) for f in (torch.cos, torch.sin))
+        assert kernels.rotary_fusable(q, k, cos, sin)
+        want = qwen2_vl.apply_rotary_pos_emb(q, k, cos, sin)
+        got = kernels.rotary(q, k, cos, sin)
+        for x, a, b in zip((q, k), want, got):
+            assert b.dtype == a.dtype and b.shape == a.shape and b.stride() == a.stride()
+            if exact:
+                assert torch.equal(a, b)
+            else:  # three truncations, each within a unit of its term's magnitude
+                terms = x.float().abs() * cos.float().abs()[:, None] + \
+                    qwen2_vl.rotate_half(x.float()).abs() * sin.float().abs()[:, None]
+                assert ((a.float() - b.float()).abs() <= 2 * ulp * terms).all()
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,heads", [(1, 1), (2, 1), (1, 4), (2, 4)])
+def test_the_fused_kv_write_kernel_writes_what_the_cache_writes(device, rows, heads):
+    """`kernels.write_kv` against `cache.write_at` for every form of write positions a step hands a
+    layer (one for all, per sequence, per KV head, both), a step's one token and a verification's
+    three, new entries laid out as transformers hands them over: the same buffers, bit for bit."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs on the CPU only through its interpreter")
+    from sparsevid.cache import write_at
+
+    g = torch.Generator().manual_seed(2)
+    B, Hkv, D, cap = 2, 4, 24, 40
+    for q in (1, 3):
+        start = torch.randint(0, cap - q + 1, (rows, heads), generator=g).to(device)
+        key, value = (torch.randn(B, q, Hkv, D, generator=g).to(device).transpose(1, 2) for _ in range(2))
+        bufs = [torch.randn(B, Hkv, cap, D, generator=g).to(device) for _ in range(2)]
+        want = [t.clone() for t in bufs]
+        pos = start[:, :, None] + torch.arange(q, device=device)
+        write_at(want[0], pos, key)
+        write_at(want[1], pos, value)
+        assert kernels.write_kv_fusable(*bufs, start, key, value)
+        kernels.write_kv(*bufs, start, key, value)
+        assert torch.equal(bufs[0], want[0]) and torch.equal(bufs[1], want[1])
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+def test_fused_layer_kernels_compile_for_an_h100_without_spilling():
+    """`kernels.rms_norm`, `kernels.rotary` and `kernels.write_kv` as launched at the 7B shape and the embedded model's,
+    in bf16 and float32, compiled for sm_90 here without a GPU (see the split-KV test above): each
+    compiles, keeps its row in registers and needs next to no shared memory."""
+    cases = [(dtype, hidden, D) for dtype in ("bf16", "fp32") for hidden, _, _, D in LAYERS]
+    code = ("import json, sys; from sparsevid._triton_layer import sm90_usage; "
+            "print(json.dumps([sm90_usage(*x) for x in json.load(sys.stdin)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(usage) == len(cases)
+    assert all(u["local"] == 0 and u["shared"] <= 1024 for x in usage for u in x.values()), usage
