@@ -20,9 +20,9 @@ one eager step to capture, no compiler, so it fits a ZeroGPU call), on the CPU c
   it), Triton on CUDA; SDPA with a mask where neither is available);
 - on CUDA the layers' RMSNorms, rotary embedding and KV writes run as one Triton kernel each
   (`FUSED`, `kernels.rms_norm`, `kernels.rotary`, `kernels.write_kv`) instead of 8, 10 and 4 small
-  ones: in a captured 7B step those are ~730 kernels of a few µs each that read next to nothing. transformers' code still
-  decides when they run (its modules and its `apply_rotary_pos_emb` are routed to the kernels
-  only inside a step); the prefill runs transformers' ops;
+  ones: in a captured 7B step those are ~730 kernels of a few µs each that read next to nothing.
+  transformers' code still decides when they run (its modules and its `apply_rotary_pos_emb` are
+  routed to the kernels only inside a step); the prefill runs transformers' ops;
 - CPU: the capacity dimension of every buffer is marked dynamic, and so is the row count of a
   verification pass (q > 1): one compiled graph serves every video length and every γ. CUDA: a
   graph per (buffers, rows, layers); the buffers come from the model's `cache.BufferPool`, so the
