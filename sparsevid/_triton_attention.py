@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["ss_b", "ss_h"])
+@triton.jit(do_not_specialize=["ss_b", "ss_h"], do_not_specialize_on_alignment=["Start"])  # Start: a view
 def split_kv(Q, K, V, Start, Bias, Prefix, O_part, L_part,
              sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, sb_b, sb_h, sb_g, sb_n, ss_b, ss_h,
              scale, Hkv, q_len, per, D,

@@ -66,7 +66,7 @@ def rotary(Q, K, Cos, Sin, Qo, Ko, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sq
     tl.store(dst + HALF + c, hi.to(ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["sn_b", "sb_b", "ss_b"])
+@triton.jit(do_not_specialize=["sn_b", "sb_b", "ss_b"], do_not_specialize_on_alignment=["Start"])  # Start: a view
 def write_kv(Kn, Vn, Kb, Vb, Start, sn_b, sn_h, sn_t, sb_b, sb_h, sb_n, ss_b, ss_h, Hkv, D, BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     t = tl.program_id(1)
