@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from sparsevid import cache, fast, kernels
+from sparsevid import cache, fast, kernels, runs
 from sparsevid.engine import Sampling
 from sparsevid.runs import compile_steps, run_method
 
@@ -441,6 +441,13 @@ def test_decode_steps_through_the_fused_layer_kernels_give_the_same_tokens(tiny_
                 assert calls == dict(rms_norm=19 * (2 * L + 1), rotary=19 * L, write_kv=19 * L), calls  # no prefill
     assert calls["rotary"] > 19 * L  # StD's steps too
     assert tokens["on", "dense"] == tokens["off", "dense"] == tokens["on", "std"] == tokens["off", "std"]
+    # a batch of two prompts of different lengths (per-row write positions): each row's own tokens
+    other = loaded.adapter.build_inputs(clip(6, seed=3), "what moves ?").to(loaded.device)
+    alone = run_method(loaded, other, "std", SETTINGS, 12, ignore).token_ids
+    before = calls["write_kv"]
+    rows = runs.run_rows(loaded, [inputs, other], "std", SETTINGS, 12, ignore)
+    assert [r.token_ids for r in rows] == [tokens["off", "std"][:12], alone]
+    assert calls["write_kv"] > before
 
 
 @pytest.mark.filterwarnings("ignore:SparseMM")
