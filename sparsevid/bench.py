@@ -713,6 +713,49 @@ def time_calls(fn, dev: torch.device, calls: int = 20, repeats: int = 5) -> floa
 
 TRITON_VARIANTS = ((32, 8, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))
 
+# Kernel families of a captured step, by name (cuBLAS / CUTLASS matmuls; this project's Triton kernels)
+KERNEL_FAMILIES = (("matmul", ("gemm", "gemv", "cutlass", "xmma", "splitk", "cublas")),
+                   ("attention", ("split_kv", "combine")), ("fused ops", ("rms_norm", "rotary", "write_kv")))
+
+
+def kernel_breakdown(kernels_us: list[tuple[str, float, float]], steps: int) -> dict:
+    """Per step, from the GPU kernels of `steps` replays of one captured step [(name, start µs,
+    duration µs)]: per family (`KERNEL_FAMILIES`, the rest "other") how many kernels and how many
+    µs they ran; the busy time (the sum) against the span from the first kernel's start to the last
+    one's end (the difference: the GPU idle between kernels); the other family's five largest names."""
+    fam = {name: dict(kernels=0, us=0.0) for name, _ in KERNEL_FAMILIES + (("other", ()),)}
+    other: dict = {}
+    for name, _, us in kernels_us:
+        low = name.lower()
+        f = next((f for f, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+        fam[f]["kernels"] += 1
+        fam[f]["us"] += us
+        if f == "other":
+            other[name[:60]] = other.get(name[:60], 0.0) + us
+    for f in fam.values():
+        f["kernels"], f["us"] = f["kernels"] / steps, f["us"] / steps
+    span = (max(t + us for _, t, us in kernels_us) - min(t for _, t, _ in kernels_us)) / steps if kernels_us else 0.0
+    busy = sum(f["us"] for f in fam.values())
+    return dict(families=fam, busy_us=busy, span_us=span, idle_us=span - busy,
+                other_top=sorted(((n, us / steps) for n, us in other.items()), key=lambda x: -x[1])[:5])
+
+
+def profile_replays(graph, steps: int = 5) -> dict:
+    """`kernel_breakdown` of `steps` replays of a captured CUDA graph (torch.profiler, CUDA
+    activity: CUPTI reports a graph's kernels one by one)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    ks = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+          if e.device_type == DeviceType.CUDA]
+    return kernel_breakdown(ks, steps)
+
 
 @torch.inference_mode()
 def verify_kernels(args) -> int:
@@ -894,7 +937,8 @@ def mechanical(args) -> int:
     over their per-head layouts (`cache.SparseKV`): HT-Sparse's default partition by GQA group (a
     quarter of the KV heads keep everything, the rest K + m_t entries, StD's budget: an assumption,
     its real token count follows the relevance), SparseMM's budgets (0.7 of the prompt per head on
-    average) over random head scores; and on CUDA, at batch 1, a dense prefill.
+    average) over random head scores; and on CUDA, at batch 1, a dense prefill, and at the first
+    prompt length the captured dense and draft steps' kernels by family (`profile_replays`).
     """
     from .fast import Block, Captured, static_step
     from .methods.base import visual_budget
@@ -940,9 +984,12 @@ def mechanical(args) -> int:
                     starts += list(lens)
                 return blocks, torch.tensor(starts, device=dev)
 
-            def timed(blocks, n, q, start=None):
+            profiles = {}
+
+            def timed(blocks, n, q, start=None, profile_as=None):
                 """(eager s, graph s or None) of a step of q rows at position n, written at entry n of
-                `blocks` (or at `start`, per head)."""
+                `blocks` (or at `start`, per head); `profile_as`: also its captured kernels, at the
+                first prompt length (`profile_replays`, into `profiles`)."""
                 ids = torch.randint(0, 100, (B, q), device=dev)
                 pos = torch.arange(n, n + q, device=dev).expand(B, q)
                 start = torch.full((1,), n, device=dev) if start is None else start
@@ -953,13 +1000,19 @@ def mechanical(args) -> int:
                 g = Captured(model, ids, pos, blocks, [None] * layers, start)
                 g(ids, pos, start)  # the capturing call's own result
                 t = time_calls(g.graph.replay, dev, calls=10, repeats=5)
+                if profile_as and m_v == visual[0]:
+                    try:
+                        profiles[profile_as] = profile_replays(g.graph)
+                    except Exception as e:  # noqa: BLE001 - a profiler that fails costs only its figures
+                        profiles[profile_as] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 del g
                 return eager, t
 
             kv = lambda n: B * layers * 2 * Hkv * n * D * elem  # noqa: E731  KV bytes a step reads
             limits = dict(dense=(weights + kv(m + 1)) / bw, draft=(weights + kv(n_draft + 1)) / bw,
                           verify=(weights + kv(m + gamma + 1)) / bw)
-            t = dict(dense=timed(dense, m, 1), draft=timed(draft, n_draft, 1), verify=timed(dense, m, gamma + 1))
+            t = dict(dense=timed(dense, m, 1, profile_as="dense"), draft=timed(draft, n_draft, 1, profile_as="draft"),
+                     verify=timed(dense, m, gamma + 1))
             del dense, draft
             # the per-head layouts at the methods' default proportions (random KV, as above)
             n_full = max(1, round(0.25 * Hkv))  # HT-Sparse: h_f = 0.25 of the heads keep all, by GQA group;
@@ -996,6 +1049,8 @@ def mechanical(args) -> int:
             row["round_bound"] = (gamma + 1) * best["dense"] / (gamma * best["draft"] + best["verify"])
             row["ideal_round_bound"] = (gamma + 1) * limits["dense"] / (gamma * limits["draft"] + limits["verify"])
             row["bound_share"] = row["round_bound"] / row["ideal_round_bound"]
+            if profiles:
+                row["kernels"] = profiles
             rows.append(row)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1020,4 +1075,12 @@ def mechanical(args) -> int:
             if "routed_attention_ms" in r else "-",
             f"{r['prefill_ms']:.0f} / {r['routed_prefill_est_ms']:.0f}" if "prefill_ms" in r else "-",
             " / ".join(f"{r[s + '_eager_ms']:.1f}" for s in ("dense", "draft", "verify"))] for r in rows]))
+    for r in rows:  # where a captured step's time goes (CUDA, the first prompt length)
+        for kind, p in r.get("kernels", {}).items():
+            if "error" in p:
+                print(f"batch {r['batch']}, {kind} step: no kernel profile ({p['error']})")
+                continue
+            fams = ", ".join(f"{f} {v['kernels']:.0f} kernels {v['us']:.0f} us" for f, v in p["families"].items())
+            print(f"batch {r['batch']}, prompt {r['prompt']}, {kind} step: {fams}; busy {p['busy_us']:.0f} us "
+                  f"of a {p['span_us']:.0f}-us span (idle {p['idle_us']:.0f} us)")
     return 0

@@ -503,6 +503,29 @@ def test_the_buffer_pool_remembers_what_waited_idle_the_whole_run():
     assert pool.idle_bytes() == 6000 and pool.low == 2000
 
 
+def test_a_captured_steps_kernels_are_counted_by_family_per_step():
+    """`bench.kernel_breakdown` (the GPU check's profile of a captured step) on kernel names as a
+    profiler reports them: cuBLAS's and CUTLASS's matmuls, this project's Triton kernels, PyTorch's
+    elementwise ones; per step, with the GPU's idle time between kernels."""
+    from sparsevid.bench import kernel_breakdown
+
+    one = [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", 2.0),
+           ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>(Params)", 3.0), ("split_kv", 4.0),
+           ("combine", 1.0), ("rms_norm", 1.0), ("rotary", 1.0), ("write_kv", 1.0),
+           ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", 1.0)]
+    events, t = [], 0.0
+    for _ in range(2):  # two replays, each kernel 0.5 us after the previous one's end
+        for name, us in one:
+            events.append((name, t, us))
+            t += us + 0.5
+    b = kernel_breakdown(events, steps=2)
+    fam = b["families"]
+    assert fam["matmul"] == dict(kernels=2, us=5.0) and fam["attention"] == dict(kernels=2, us=5.0)
+    assert fam["fused ops"] == dict(kernels=3, us=3.0) and fam["other"]["kernels"] == 1
+    assert b["busy_us"] == 14.0 and b["span_us"] == (t - 0.5) / 2 and b["idle_us"] == b["span_us"] - 14.0
+    assert b["other_top"][0][0].startswith("void at::native::vectorized_elementwise_kernel")
+
+
 def test_gpu_check_parts_are_commands_the_cli_takes():
     """Every bench part of the GPU check parses as the CLI would (a typo there would cost a lent
     GPU's minutes): the paper-comparable rounds take 8 different clips, the shared ones one."""
