@@ -177,8 +177,8 @@ def static_step(model, input_ids, position_ids, layers: list, head_scale: list, 
             _COLLECTOR.reset(token)
 
 
-# Fused layer ops (`kernels.rms_norm`, `kernels.rotary`: one Triton kernel each in place of
-# transformers' 7-8 and 10 small ones). SPARSEVID_FUSED=auto: in every decode step on CUDA where
+# Fused layer ops (`kernels.rms_norm`, `kernels.rotary`, `kernels.write_kv`: one Triton kernel each
+# in place of 8, 10 and 4 small ones). SPARSEVID_FUSED=auto: in every decode step on CUDA where
 # Triton imports; on: also on the CPU (through Triton's interpreter: the tests); off: never (the GPU
 # check times a step both ways). Prefill and everything outside `static_step` run transformers' ops.
 FUSED = os.environ.get("SPARSEVID_FUSED", "auto") if os.environ.get("SPARSEVID_FUSED") in ("auto", "on", "off") \

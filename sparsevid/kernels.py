@@ -27,7 +27,7 @@ Three backends compute the same thing:
   on the capacity only, never on q, so a row's arithmetic is the same in a one-row step and in a
   verification pass.
 
-Beside attention, two small ops of a decoder layer as Triton kernels for the CUDA steps
+Beside attention, three small ops of a decoder layer as Triton kernels for the CUDA steps
 (`rms_norm`, `rotary`, `write_kv`; `fast.FUSED`): in a captured step every kernel costs a few µs
 whatever it reads, and transformers spends 8 on an RMSNorm and 10 on the rotary embedding of a
 layer's q and k, the cache's writes 4 on a layer's new K and V.
@@ -414,6 +414,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     N = x.shape[-1]
     rows = x.reshape(-1, N)
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton_next_pow2(N)
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps, BLOCK=block,
