@@ -83,19 +83,17 @@ def write_kv(Kn, Vn, Kb, Vb, Start, sn_b, sn_h, sn_t, sb_b, sb_h, sb_n, ss_b, ss
 
 def sm90_usage(dtype: str, hidden: int, head_dim: int) -> dict:
     """The kernels for `dtype` ("bf16", "fp16", "fp32") at a model's hidden size and head dim,
-    launched as `kernels.rms_norm`, `kernels.rotary` and `kernels.write_kv` launch them, compiled
-    for sm_90: {name: resources} (`_triton_attention.sm90_resources`)."""
+    launched as `kernels.layer_launch` says, compiled for sm_90: {name: resources}
+    (`_triton_attention.sm90_resources`)."""
     from ._triton_attention import sm90_resources
+    from .kernels import layer_launch
 
-    def pow2(n):
-        return 1 << max(0, (int(n) - 1).bit_length())
-
-    block = pow2(hidden)
     ptr = f"*{dtype}"
-    return dict(
-        write_kv=sm90_resources(write_kv, dict(Kn=ptr, Vn=ptr, Kb=ptr, Vb=ptr, Start="*i64"),
-                                dict(BLOCK=max(16, pow2(head_dim))), 1),
-        rms_norm=sm90_resources(rms_norm, dict(X=ptr, W=ptr, Y=ptr, eps="fp32"), dict(BLOCK=block),
-                                4 if block <= 1024 else 8, enable_fp_fusion=False),
-        rotary=sm90_resources(rotary, dict(Q=ptr, K=ptr, Cos=ptr, Sin=ptr, Qo=ptr, Ko=ptr),
-                              dict(BLOCK=max(16, pow2(head_dim // 2))), 1, enable_fp_fusion=False))
+    kernels = dict(rms_norm=(rms_norm, hidden, dict(X=ptr, W=ptr, Y=ptr, eps="fp32")),
+                   rotary=(rotary, head_dim, dict(Q=ptr, K=ptr, Cos=ptr, Sin=ptr, Qo=ptr, Ko=ptr)),
+                   write_kv=(write_kv, head_dim, dict(Kn=ptr, Vn=ptr, Kb=ptr, Vb=ptr, Start="*i64")))
+    out = {}
+    for name, (fn, n, types) in kernels.items():
+        launch = layer_launch(name, n)
+        out[name] = sm90_resources(fn, types, dict(BLOCK=launch.pop("BLOCK")), **launch)
+    return out

@@ -16,8 +16,8 @@ others still run; the JSON is written after every part):
    bound against the ideal one, HT-Sparse's and SparseMM's per-head layouts at their default
    proportions against the limit of what they read, and (batch 1) a dense prefill (`bench --shape`);
    `shapes-sdpa`: one row of it with SDPA attention; `shapes-unfused`: batch 1 and 8 at 16k with
-   transformers' own RMSNorm and rotary ops in each step instead of the fused kernels
-   (`fast.FUSED`, `kernels.rms_norm`, `kernels.rotary`): what fusing them saves;
+   transformers' own RMSNorm, rotary and KV-write ops in each step instead of the fused kernels
+   (`fast.FUSED`, `kernels.rms_norm`, `kernels.rotary`, `kernels.write_kv`): what fusing them saves;
 4. `embedded`: the embedded model in bf16 on every bundled example, every method against dense as
    the app runs them (`runs.compare`, warm-up included): tokens identical for the lossless ones,
    decode speedups, steps served by graphs, and the first comparison's seconds from a cold model;

@@ -406,6 +406,18 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int | None = No
     return out
 
 
+def layer_launch(name: str, n: int) -> dict:
+    """How `_triton_layer`'s kernel `name` is launched over rows of n elements (rms_norm: the hidden
+    size; rotary and write_kv: the head dim): its BLOCK, warps and compile options. One place for
+    the launchers below and the sm_90 compile check (`_triton_layer.sm90_usage`)."""
+    if name == "rms_norm":
+        block = triton_next_pow2(n)
+        return dict(BLOCK=block, num_warps=4 if block <= 1024 else 8, enable_fp_fusion=False)
+    if name == "rotary":  # no multiply-add contraction: PyTorch's roundings
+        return dict(BLOCK=max(16, triton_next_pow2(n // 2)), num_warps=1, enable_fp_fusion=False)
+    return dict(BLOCK=max(16, triton_next_pow2(n)), num_warps=1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (Qwen2 / Qwen2-VL / Qwen2.5-VL) of x [..., N] with weight [N] as one
     Triton kernel (`_triton_layer.rms_norm`, a program a row): weight * (x * rsqrt(mean(x²) + eps))
@@ -416,9 +428,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, N)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    block = triton_next_pow2(N)
-    kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps, BLOCK=block,
-                             num_warps=4 if block <= 1024 else 8, enable_fp_fusion=False)
+    kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), N, eps, **layer_launch("rms_norm", N))
     return out.view(x.shape)
 
 
@@ -435,8 +445,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     ko = torch.empty_like(k, dtype=ty)
     cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)  # a stride of 0 where one row serves all
     kernel[(B * T, H + k.shape[1])](q, k, cos, sin, qo, ko, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
-                                    *ko.stride()[:3], *cos.stride()[:2], T, H, D // 2,
-                                    BLOCK=max(16, triton_next_pow2(D // 2)), num_warps=1, enable_fp_fusion=False)
+                                    *ko.stride()[:3], *cos.stride()[:2], T, H, D // 2, **layer_launch("rotary", D))
     return qo, ko
 
 
@@ -450,7 +459,7 @@ def write_kv(kbuf: torch.Tensor, vbuf: torch.Tensor, start: torch.Tensor, key: t
     B, Hkv, q, D = key.shape
     st = start.expand(B, Hkv)  # a stride of 0 where one position serves all rows or heads
     kernel[(B * Hkv, q)](key, value, kbuf, vbuf, st, *key.stride()[:3], *kbuf.stride()[:3], *st.stride(), Hkv, D,
-                         BLOCK=max(16, triton_next_pow2(D)), num_warps=1)
+                         **layer_launch("write_kv", D))
 
 
 def write_kv_fusable(kbuf, vbuf, start, key, value) -> bool:
