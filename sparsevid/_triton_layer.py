@@ -81,12 +81,23 @@ def write_kv(Kn, Vn, Kb, Vb, Start, sn_b, sn_h, sn_t, sb_b, sb_h, sb_n, ss_b, ss
     tl.store(Vb + dst, tl.load(Vn + src, mask=ok), mask=ok)
 
 
+def layer_launch(name: str, n: int) -> dict:
+    """How kernel `name` is launched over rows of n elements (rms_norm: the hidden size; rotary and
+    write_kv: the head dim): its BLOCK, warps and compile options. One place for the launchers
+    (`kernels.rms_norm`, `kernels.rotary`, `kernels.write_kv`) and the sm_90 compile check."""
+    if name == "rms_norm":
+        block = triton.next_power_of_2(n)
+        return dict(BLOCK=block, num_warps=4 if block <= 1024 else 8, enable_fp_fusion=False)
+    if name == "rotary":  # no multiply-add contraction: PyTorch's roundings
+        return dict(BLOCK=max(16, triton.next_power_of_2(n // 2)), num_warps=1, enable_fp_fusion=False)
+    return dict(BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1)
+
+
 def sm90_usage(dtype: str, hidden: int, head_dim: int) -> dict:
     """The kernels for `dtype` ("bf16", "fp16", "fp32") at a model's hidden size and head dim,
-    launched as `kernels.layer_launch` says, compiled for sm_90: {name: resources}
+    launched as `layer_launch` says, compiled for sm_90: {name: resources}
     (`_triton_attention.sm90_resources`)."""
     from ._triton_attention import sm90_resources
-    from .kernels import layer_launch
 
     ptr = f"*{dtype}"
     kernels = dict(rms_norm=(rms_norm, hidden, dict(X=ptr, W=ptr, Y=ptr, eps="fp32")),

@@ -406,23 +406,11 @@ def attend_triton(query, k, v, start, scale, bias=None, block_n: int | None = No
     return out
 
 
-def layer_launch(name: str, n: int) -> dict:
-    """How `_triton_layer`'s kernel `name` is launched over rows of n elements (rms_norm: the hidden
-    size; rotary and write_kv: the head dim): its BLOCK, warps and compile options. One place for
-    the launchers below and the sm_90 compile check (`_triton_layer.sm90_usage`)."""
-    if name == "rms_norm":
-        block = triton_next_pow2(n)
-        return dict(BLOCK=block, num_warps=4 if block <= 1024 else 8, enable_fp_fusion=False)
-    if name == "rotary":  # no multiply-add contraction: PyTorch's roundings
-        return dict(BLOCK=max(16, triton_next_pow2(n // 2)), num_warps=1, enable_fp_fusion=False)
-    return dict(BLOCK=max(16, triton_next_pow2(n)), num_warps=1)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (Qwen2 / Qwen2-VL / Qwen2.5-VL) of x [..., N] with weight [N] as one
     Triton kernel (`_triton_layer.rms_norm`, a program a row): weight * (x * rsqrt(mean(x²) + eps))
     rounded as transformers rounds it, in x's and weight's promoted dtype."""
-    from ._triton_layer import rms_norm as kernel
+    from ._triton_layer import layer_launch, rms_norm as kernel
 
     N = x.shape[-1]
     rows = x.reshape(-1, N)
@@ -437,7 +425,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     (`_triton_layer.rotary`, a program per (token, head)): q [B, H, T, D], k [B, Hkv, T, D] (any
     strides but a unit last one), cos and sin [B or 1, T, D] -> (q_embed, k_embed), laid out as q and
     k, with PyTorch's roundings (bf16 and float16: transformers' bits)."""
-    from ._triton_layer import rotary as kernel
+    from ._triton_layer import layer_launch, rotary as kernel
 
     B, H, T, D = q.shape
     ty = torch.promote_types(q.dtype, cos.dtype)
@@ -454,7 +442,7 @@ def write_kv(kbuf: torch.Tensor, vbuf: torch.Tensor, start: torch.Tensor, key: t
     """kbuf[b, h, start[b, h] + t] = key[b, h, t], the same for vbuf and value, as one Triton kernel
     (`_triton_layer.write_kv`): buffers [B, Hkv, capacity, D], key and value [B, Hkv, q, D], start
     [B or 1, Hkv or 1] (`fast.StaticView`'s write positions); what `cache.write_at` does in four."""
-    from ._triton_layer import write_kv as kernel
+    from ._triton_layer import layer_launch, write_kv as kernel
 
     B, Hkv, q, D = key.shape
     st = start.expand(B, Hkv)  # a stride of 0 where one position serves all rows or heads
